@@ -115,8 +115,9 @@ class PagePool:
         self.table[b].extend(range(self.count, self.count + n))
         self.count += n
 
-    def pages(self, b: int) -> KeyPages | ValuePages | None:
-        ids = self.table[b]
+    def pages(self, b: int, first: int = 0) -> KeyPages | ValuePages | None:
+        """Pages first, first+1, ... of sequence b, gathered (None if there are none)."""
+        ids = self.table[b][first:]
         if not ids:
             return None
         index = torch.tensor(ids, device=next(iter(self.store.values())).device)
@@ -198,6 +199,8 @@ class KittyLayer(CacheLayerMixin):
             self.v_window = mk(c.local_window + c.group_size)
         self.k_pages = PagePool(KeyPages, b)
         self.v_pages = PagePool(ValuePages, b)
+        self._view_k = self._view_v = None  # dense view for the reference engine, see dense_history
+        self._clean = [0] * b
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -259,6 +262,7 @@ class KittyLayer(CacheLayerMixin):
             self.k_buffer.clear(b)
         full = k.shape[1] // g * g
         if full:
+            self._dirty(b, self.k_sink.lens[b] + len(self.k_pages.table[b]) * g)
             pages = k[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)  # [N, H, G, D]
             self.k_pages.add(b, self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator))
         self.k_buffer.append(b, k[:, full:])
@@ -267,34 +271,60 @@ class KittyLayer(CacheLayerMixin):
         self.v_window.clear(b)
         full = max(window.shape[1] - c.local_window, 0) // g * g
         if full:
+            self._dirty(b, self.v_sink.lens[b] + len(self.v_pages.table[b]) * g)
             pages = window[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)
             self.v_pages.add(b, self.engine.quantize_values(pages, c.value_bits))
         self.v_window.append(b, window[:, full:])
 
-    def sequence_history(self, b: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [H, n_b, D] of sequence b as attention sees them (pages dequantized)."""
-        ks, vs = [self.k_sink.tokens(b)], [self.v_sink.tokens(b)]
-        if self.config.quantize:
-            kp, vp = self.k_pages.pages(b), self.v_pages.pages(b)
-            if kp is not None:
-                ks.append(_flatten_pages(dequantize_keys(kp, dtype)))
-            if vp is not None:
-                vs.append(_flatten_pages(dequantize_values(vp, dtype)))
-            ks.append(self.k_buffer.tokens(b))
-            vs.append(self.v_window.tokens(b))
-        return torch.cat(ks, dim=1).to(dtype), torch.cat(vs, dim=1).to(dtype)
+    def sequence_history(self, b: int, dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [H, n_b - start, D] of sequence b from token `start` on, as attention sees
+        them: FP16 parts as stored, pages dequantized (only the pages that reach past `start`)."""
+        c = self.config
+        n_sink = self.k_sink.lens[b]
+        keys = [(0, self.k_sink.tokens(b))]
+        values = [(0, self.v_sink.tokens(b))]
+        if c.quantize:
+            g = c.group_size
+            for parts, pool, tail, dequant in ((keys, self.k_pages, self.k_buffer, dequantize_keys),
+                                               (values, self.v_pages, self.v_window, dequantize_values)):
+                n_pages = len(pool.table[b])
+                first = max(start - n_sink, 0) // g if start > n_sink else 0
+                if first < n_pages:
+                    parts.append((n_sink + first * g, _flatten_pages(dequant(pool.pages(b, first), dtype))))
+                parts.append((n_sink + n_pages * g, tail.tokens(b)))
+        return _join_from(keys, start, dtype), _join_from(values, start, dtype)
 
     def dense_history(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, H, seen, D] keys and values, each sequence right-aligned behind its pads (zeros)."""
-        shape = (self.batch, self.heads, self.seen, self.head_dim)
-        keys = torch.zeros(shape, dtype=dtype, device=self.device)
-        values = torch.zeros(shape, dtype=dtype, device=self.device)
+        """[B, H, seen, D] keys and values as attention sees them, each sequence right-aligned behind
+        its pads (zeros). Kept as a view that is rebuilt only where tokens arrived or were packed
+        since the last call, so a decode step costs O(new tokens), not O(history)."""
+        if self._view_k is not None and self._view_k.dtype != dtype:
+            self._view_k = self._view_v = None
+            self._clean = [0] * self.batch
+        cap = 0 if self._view_k is None else self._view_k.shape[2]
+        if self.seen == 0:
+            empty = torch.zeros((self.batch, self.heads, 0, self.head_dim), dtype=dtype, device=self.device)
+            return empty, empty
+        if self.seen > cap:
+            shape = (self.batch, self.heads, max(self.seen, 2 * cap, 256), self.head_dim)
+            grown_k = torch.zeros(shape, dtype=dtype, device=self.device)
+            grown_v = torch.zeros(shape, dtype=dtype, device=self.device)
+            if cap:
+                grown_k[:, :, :cap], grown_v[:, :, :cap] = self._view_k, self._view_v
+            self._view_k, self._view_v = grown_k, grown_v
         for b in range(self.batch):
-            k, v = self.sequence_history(b, dtype)
-            if k.shape[1]:
-                keys[b, :, self.pad[b] :] = k
-                values[b, :, self.pad[b] :] = v
-        return keys, values
+            start, n = self._clean[b], self.tokens(b)
+            if start < n:
+                k, v = self.sequence_history(b, dtype, start)
+                at = self.pad[b] + start
+                self._view_k[b, :, at : at + k.shape[1]] = k
+                self._view_v[b, :, at : at + v.shape[1]] = v
+                self._clean[b] = n
+        return self._view_k[:, :, : self.seen], self._view_v[:, :, : self.seen]
+
+    def _dirty(self, b: int, token: int) -> None:
+        """Tokens of sequence b from `token` on changed form (packed) since the dense view was built."""
+        self._clean[b] = min(self._clean[b], token)
 
     def nbytes(self) -> dict[str, int]:
         """Stored bytes of this layer by part."""
@@ -310,6 +340,12 @@ class KittyLayer(CacheLayerMixin):
             parts["value planes"] = v["low"] + v["high"]
             parts["value scales/zeros"] = v["scale"] + v["zero"]
         return parts
+
+
+def _join_from(parts: list[tuple[int, torch.Tensor]], start: int, dtype) -> torch.Tensor:
+    """Concatenate (first_token, [H, n, D]) parts in order, keeping tokens from `start` on."""
+    kept = [x[:, max(start - first, 0):] for first, x in parts if first + x.shape[1] > start]
+    return torch.cat(kept, dim=1).to(dtype) if kept else parts[0][1][:, :0].to(dtype)
 
 
 def _flatten_pages(x: torch.Tensor) -> torch.Tensor:

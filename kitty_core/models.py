@@ -13,9 +13,11 @@ import hashlib
 import importlib.metadata
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -112,11 +114,19 @@ def load_model(
     local = Path(source).is_dir()
     if not local and (source.startswith((".", "/", "~")) or os.sep + os.sep in source):
         raise ModelLoadError(f"{name!r} looks like a path, but no such directory exists")
+    # a hub id: the local hub cache first, the network only if it answers (no minute of retries)
+    offline = local or _in_hub_cache(source) or not _hub_reachable()
+    kw = {"trust_remote_code": trust_remote_code, "local_files_only": offline}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(source, **kw)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw)
     except (OSError, ValueError, KeyError) as err:
-        where = "the local directory" if local else "the Hugging Face hub (and the local hub cache)"
+        if local:
+            where = "the local directory"
+        elif offline:
+            where = "the local hub cache (the hub is not reachable from here)"
+        else:
+            where = "the Hugging Face hub"
         raise ModelLoadError(
             f"could not load {name!r} from {where}: {str(err).splitlines()[0]} -- check the id or path; "
             "without network access, download the model elsewhere and pass its directory"
@@ -132,6 +142,26 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return LoadedModel(model, tokenizer, name, source, device, dtype)
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # not a valid repo id, or no cache
+        return False
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def _converted_gguf(path: Path) -> Path:

@@ -1,0 +1,145 @@
+"""Accuracy against FP16: perplexity, KL(FP16 || method) and top-1 agreement, scored through the cache.
+
+For each window of the text, the first `context` tokens are prefilled into the method's cache; the
+next `continuation` tokens are then fed one at a time, exactly as decoding would feed them, so each
+prediction sees the cache state (sink, buffers, packed pages) a generation would see. The first
+continuation token is predicted by the prefill itself. All windows run as one batch.
+
+    python -m kitty_core.evaluate --methods fp16,kivi-k2v2,kitty,kitty-pro --context 2048 --windows 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from .cache import KittyCache
+from .config import parse_method
+from .models import ModelLoadError, load_model
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+DEFAULT_TEXT = DATA / "genesis_kjv.txt"
+DEFAULT_METHODS = "fp16,kivi-k4v4,kivi-k2v2,kivi-k2v2-sink,k4v2-sink,k2v4-sink,kitty,kitty-pro,kitty-pro+selection=random"
+
+
+def text_windows(tokenizer, text: str, context: int, continuation: int, windows: int) -> torch.Tensor:
+    """[W, context + continuation] token ids, windows spread evenly over the text."""
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    span = context + continuation
+    if ids.numel() < span:
+        raise ValueError(f"the text has {ids.numel()} tokens; context + continuation needs {span}")
+    last = ids.numel() - span
+    starts = [round(i * last / max(windows - 1, 1)) for i in range(windows)] if windows > 1 else [0]
+    return torch.stack([ids[s : s + span] for s in starts])
+
+
+@torch.inference_mode()
+def continuation_logprobs(model, ids: torch.Tensor, context: int, method: str, engine: str | None = None):
+    """Log-probabilities [W, C, V] (float32, CPU) of the continuation tokens' predictions."""
+    cache = KittyCache(model, method, engine=engine)
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    out = model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    steps = [out.logits[:, -1].float().log_softmax(-1).cpu()]
+    for j in range(context, ids.shape[1] - 1):
+        out = model(input_ids=ids[:, j : j + 1], past_key_values=cache, use_cache=True)
+        steps.append(out.logits[:, -1].float().log_softmax(-1).cpu())
+    return torch.stack(steps, dim=1)
+
+
+def compare(ref: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor) -> dict:
+    """Metrics of one method's log-probs against the FP16 reference's, over [W, C] positions."""
+    kl = (ref.exp() * (ref - logp)).sum(-1)  # KL(FP16 || method) per position
+    nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return {
+        "perplexity": math.exp(nll.mean().item()),
+        "kl": kl.mean().item(),
+        "top1": (logp.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+        "kl_per_window": kl.mean(-1).tolist(),
+    }
+
+
+def evaluate(
+    model,
+    tokenizer,
+    methods=DEFAULT_METHODS,
+    text: str | None = None,
+    context: int = 2048,
+    continuation: int = 128,
+    windows: int = 3,
+    engine: str | None = None,
+    progress=None,
+) -> pd.DataFrame:
+    """One row per method: perplexity, kl, top1 (against `fp16`), bits per element, seconds."""
+    methods = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
+    configs = {m: parse_method(m) for m in methods}  # fail fast on a bad name
+    if text is None:
+        text = DEFAULT_TEXT.read_text()
+    ids = text_windows(tokenizer, text, context, continuation, windows)
+    targets = ids[:, context:]
+    head_dim = _head_dim(model)
+    ref = continuation_logprobs(model, ids, context, "fp16", engine)
+    rows = []
+    for i, m in enumerate(methods):
+        if progress:
+            progress(i, len(methods), m)
+        t0 = time.perf_counter()
+        logp = ref if configs[m] == parse_method("fp16") else continuation_logprobs(model, ids, context, m, engine)
+        row = {"method": m, **compare(ref, logp, targets)}
+        row["bits_per_element"] = configs[m].bits_per_element(head_dim)
+        row["boost_rate"] = configs[m].boost_rate if configs[m].key_bits == 2 else 1.0
+        row["seconds"] = time.perf_counter() - t0
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    df.attrs.update(context=context, continuation=continuation, windows=windows)
+    return df
+
+
+def _head_dim(model) -> int:
+    from .hf import model_shape
+
+    return model_shape(model.config)["head_dim"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kitty_core.evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="demo", help="demo | hub id | local directory | file.gguf")
+    p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="a plain-text file to score")
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--continuation", type=int, default=128)
+    p.add_argument("--windows", type=int, default=3)
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated, e.g. fp16,kitty,kitty-pro+selection=random")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--engine", default=None, choices=[None, "reference", "triton"])
+    p.add_argument("--json", type=Path, default=None, help="write {settings, results: [...]} here")
+    a = p.parse_args(argv)
+    try:
+        for m in a.methods.split(","):
+            parse_method(m.strip())
+        text = a.text.read_text()
+        lm = load_model(a.model, device=a.device, dtype=a.dtype)
+        df = evaluate(lm.model, lm.tokenizer, a.methods, text, a.context, a.continuation, a.windows, a.engine,
+                      progress=lambda i, n, m: print(f"[{i + 1}/{n}] {m}", file=sys.stderr, flush=True))
+    except (ValueError, ModelLoadError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    cols = ["method", "perplexity", "kl", "top1", "bits_per_element"]
+    print(df[cols].to_string(index=False, float_format=lambda x: f"{x:.4f}"))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        settings = {"model": a.model, "text": str(a.text), "context": a.context, "continuation": a.continuation,
+                    "windows": a.windows, "device": str(lm.device), "dtype": str(lm.dtype)}
+        a.json.write_text(json.dumps({"settings": settings, "results": df.to_dict(orient="records")}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

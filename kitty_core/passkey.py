@@ -1,0 +1,109 @@
+"""Synthetic passkey retrieval: a random 5-digit key hidden at a chosen depth of filler text.
+
+Prompts are generated locally (no data set). One batch per length holds every depth (and trial),
+left-padded, so a method's cache serves sequences of different lengths at once.
+
+    python -m kitty_core.passkey --methods fp16,kivi-k2v2,kitty-pro --lengths 1024,2048,4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from .cache import KittyCache
+from .config import parse_method
+from .models import ModelLoadError, load_model
+
+INTRO = "There is an important pass key hidden inside a lot of irrelevant text. Find it and remember it.\n\n"
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+
+
+def passkey_prompt(tokenizer, length: int, depth: float, key: str) -> str:
+    """A prompt of about `length` tokens with the key at `depth` (0 = start, 1 = end) of the filler."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    count = lambda s: len(tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
+    fixed = count(INTRO + NEEDLE.format(key=key) + QUESTION)
+    per_filler = count(FILLER * 20) / 20
+    n = max(int((length - fixed) / per_filler), 1)
+    if length - fixed < per_filler:
+        raise ValueError(f"length {length} is too short for a passkey prompt (needs > {fixed + per_filler:.0f})")
+    at = round(depth * n)
+    return INTRO + FILLER * at + NEEDLE.format(key=key) + FILLER * (n - at) + QUESTION
+
+
+@torch.inference_mode()
+def run_passkey(model, tokenizer, methods, lengths, depths=(0.1, 0.5, 0.9), trials: int = 1, seed: int = 0,
+                engine: str | None = None, progress=None) -> pd.DataFrame:
+    """One row per (method, length, depth, trial): the key, the answer, and whether it was retrieved."""
+    methods = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
+    for m in methods:
+        parse_method(m)
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    rng = random.Random(seed)
+    device = next(model.parameters()).device
+    rows, jobs = [], len(methods) * len(lengths)
+    for li, length in enumerate(lengths):
+        if limit and length + 8 > limit:
+            raise ValueError(f"length {length} exceeds the model's context of {limit} tokens")
+        cases = [(d, t, f"{rng.randrange(10000, 100000)}") for d in depths for t in range(trials)]
+        prompts = [passkey_prompt(tokenizer, length, d, key) for d, _, key in cases]
+        enc = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
+        for mi, m in enumerate(methods):
+            if progress:
+                progress(li * len(methods) + mi, jobs, f"{m} @ {length}")
+            out = model.generate(**enc, max_new_tokens=8, do_sample=False, past_key_values=KittyCache(model, m, engine),
+                                 pad_token_id=tokenizer.pad_token_id)
+            answers = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+            for (d, t, key), ans in zip(cases, answers):
+                found = re.search(r"\d{5}", ans)
+                rows.append({"method": m, "length": length, "depth": d, "trial": t, "key": key,
+                             "answer": ans.strip(), "correct": bool(found and found.group() == key),
+                             "prompt_tokens": int(enc.attention_mask[cases.index((d, t, key))].sum())})
+    return pd.DataFrame(rows)
+
+
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy per method (rows) and length (columns)."""
+    return df.pivot_table(index="method", columns="length", values="correct", aggfunc="mean", sort=False)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kitty_core.passkey", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="demo")
+    p.add_argument("--methods", default="fp16,kivi-k2v2,kitty-pro")
+    p.add_argument("--lengths", default="1024,2048,4096")
+    p.add_argument("--depths", default="0.1,0.5,0.9")
+    p.add_argument("--trials", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--csv", type=Path, default=None)
+    a = p.parse_args(argv)
+    try:
+        lengths = [int(x) for x in a.lengths.split(",")]
+        depths = [float(x) for x in a.depths.split(",")]
+        lm = load_model(a.model, device=a.device, dtype=a.dtype)
+        df = run_passkey(lm.model, lm.tokenizer, a.methods, lengths, depths, a.trials, a.seed,
+                         progress=lambda i, n, s: print(f"[{i + 1}/{n}] {s}", file=sys.stderr, flush=True))
+    except (ValueError, ModelLoadError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(summary(df).to_string(float_format=lambda x: f"{x:.2f}"))
+    if a.csv:
+        a.csv.parent.mkdir(parents=True, exist_ok=True)
+        df.to_csv(a.csv, index=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

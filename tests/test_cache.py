@@ -1,0 +1,190 @@
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import FAMILIES, tiny_model
+from kitty_core import KittyCache, parse_method
+from kitty_core.cache import KittyLayer, ReferenceEngine
+
+
+class _NoAttention(ReferenceEngine):
+    def attend(self, *args, **kwargs):
+        return None
+
+
+def _layer(spec, batch=1, heads=2, dim=16):
+    layer = KittyLayer(parse_method(spec), _NoAttention())
+    layer.lazy_initialization(torch.zeros(batch, heads, 0, dim), torch.zeros(batch, heads, 0, dim))
+    return layer
+
+
+def _feed(layer, keys, values, chunk):
+    """Insert [B, H, n, D] in chunks of `chunk` tokens, as a prefill (first chunk) and decode steps."""
+    for s in range(0, keys.shape[2], chunk):
+        layer.attend(None, None, keys[:, :, s : s + chunk], values[:, :, s : s + chunk], None, None)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_state_machine_parts_and_page_cadence(chunk):
+    S, G, R = 4, 8, 12
+    layer = _layer(f"kitty-pro+sink={S}+group_size={G}+local_window={R}")
+    torch.manual_seed(0)
+    n = 61
+    k, v = torch.randn(1, 2, n, 16), torch.randn(1, 2, n, 16)
+    _feed(layer, k, v, chunk)
+    assert layer.tokens(0) == n
+    assert layer.k_sink.lens[0] == S and torch.equal(layer.k_sink.tokens(0), k[0, :, :S])
+    assert len(layer.k_pages.table[0]) == (n - S) // G  # 7 key pages, 1 token in the q_buffer
+    assert layer.k_buffer.lens[0] == (n - S) % G
+    assert len(layer.v_pages.table[0]) == (n - S - R) // G  # 5 value pages
+    assert layer.v_window.lens[0] == n - S - 5 * G and layer.v_window.lens[0] >= R
+    # the FP16 parts hold the exact newest tokens; the pages dequantize close to the inputs
+    assert torch.equal(layer.v_window.tokens(0), v[0, :, -layer.v_window.lens[0]:])
+    hk, hv = layer.sequence_history(0, torch.float32)
+    assert torch.equal(hk[:, :S], k[0, :, :S]) and torch.equal(hk[:, -1], k[0, :, -1])
+    assert (hk - k[0]).abs().max() < 0.5 * (k.abs().max())
+    assert (hk - k[0]).abs().mean() < 0.2 and (hv - v[0]).abs().mean() < 0.4
+
+
+def test_a_page_is_packed_exactly_every_G_decode_steps():
+    S, G, R = 2, 8, 8
+    layer = _layer(f"kitty+sink={S}+group_size={G}+local_window={R}")
+    counts = []
+    for _ in range(50):
+        x = torch.randn(1, 2, 1, 16)
+        layer.attend(None, None, x, x, None, None)
+        counts.append(len(layer.k_pages.table[0]))
+    steps = [i + 1 for i in range(1, 50) if counts[i] != counts[i - 1]]  # tokens seen when a page appeared
+    assert steps == [S + G * j for j in range(1, 7)]
+
+
+def test_bytes_by_part_follow_the_layout():
+    S, G, R, D, H = 4, 16, 16, 16, 2
+    layer = _layer(f"kitty-pro+sink={S}+group_size={G}+local_window={R}", heads=H, dim=D)
+    x = torch.randn(1, H, 100, D)
+    _feed(layer, x, x, 100)
+    parts = layer.nbytes()
+    kp, vp = len(layer.k_pages.table[0]), len(layer.v_pages.table[0])
+    assert parts["key sink"] == S * H * D * 4  # fp32 model dtype here
+    assert parts["key dense plane"] == kp * H * D * G // 4
+    assert parts["key high plane"] == kp * H * (D // 4) * G // 4
+    assert parts["key boost index"] == kp * H * D
+    assert parts["key scales/zeros"] == kp * H * D * 4
+    assert parts["value planes"] == vp * H * G * D // 4
+    assert parts["value scales/zeros"] == vp * H * G * 4
+
+
+def test_fp16_preset_keeps_every_token_exact():
+    layer = _layer("fp16")
+    x = torch.randn(1, 2, 300, 16)
+    _feed(layer, x, -x, 37)
+    hk, hv = layer.sequence_history(0, torch.float32)
+    assert torch.equal(hk, x[0]) and torch.equal(hv, -x[0])
+
+
+def test_padding_is_read_from_the_mask_and_never_stored():
+    layer = _layer("kitty+sink=2+group_size=4+local_window=4", batch=2)
+    x = torch.randn(2, 2, 6, 16)
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    mask[1, :, :, :3] = False  # sequence 1: three pads
+    layer.attend(None, None, x, x, mask, None)
+    assert layer.pad == [0, 3] and layer.tokens(0) == 6 and layer.tokens(1) == 3
+    assert torch.equal(layer.k_sink.tokens(1), x[1, :, 3:5])
+    bad = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    bad[0, :, :, 4] = False  # a hole after real tokens: right padding
+    with pytest.raises(ValueError, match="left padding"):
+        _layer("kitty", batch=2).attend(None, None, x, x, bad, None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_families_and_dtypes_generate(family, dtype):
+    model = tiny_model(family, dtype)
+    ids = torch.randint(3, 256, (2, 50))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, pad_token_id=0, min_new_tokens=20)
+    ref = model.generate(**kw, do_sample=False, past_key_values=DynamicCache(config=model.config))
+    out = model.generate(**kw, do_sample=False, past_key_values=KittyCache(model, "fp16"))
+    assert torch.equal(out, ref)
+    small = "kitty-pro+sink=4+group_size=8+local_window=8"  # pages form within this short run
+    greedy = model.generate(**kw, do_sample=False, past_key_values=KittyCache(model, small))
+    torch.manual_seed(0)
+    sampled = model.generate(**kw, do_sample=True, top_k=20, past_key_values=KittyCache(model, small))
+    assert greedy.shape == sampled.shape == (2, 70)
+
+
+def test_fp16_equals_dynamic_cache_on_the_demo_model(demo):
+    tok, model = demo.tokenizer, demo.model
+    enc = tok(["The capital of France is", "In the beginning God created the heaven and the earth. " * 12],
+              return_tensors="pt", padding=True)
+    kw = dict(**enc, max_new_tokens=48, min_new_tokens=48, do_sample=False)
+    ref = model.generate(**kw, past_key_values=DynamicCache(config=model.config))
+    out = model.generate(**kw, past_key_values=KittyCache(model, "fp16"))
+    assert torch.equal(out, ref)
+
+
+PROMPTS = [
+    "In the beginning God created the heaven and the earth. And the earth was without form, and void. " * 14,
+    "Write a short story about a cat who learns to play the piano.",
+    "The quick brown fox jumps over the lazy dog. " * 30,
+]
+
+
+@pytest.mark.parametrize("method", ["fp16", "kivi-k4v4", "kivi-k2v2", "kivi-k2v2-sink", "k4v2-sink", "k2v4-sink",
+                                    "kitty", "kitty-pro"])
+def test_padded_batch_equals_single_runs(demo, method):
+    tok, model = demo.tokenizer, demo.model
+    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    n = enc.input_ids.shape[1]
+    assert n > 32 + 128 + 128  # the longest prompt has key and value pages, the others fewer
+    batch = model.generate(**enc, **kw, past_key_values=KittyCache(model, method))
+    for i, p in enumerate(PROMPTS):
+        one = tok([p], return_tensors="pt")
+        single = model.generate(**one, **kw, past_key_values=KittyCache(model, method))
+        assert torch.equal(batch[i, n:], single[0, one.input_ids.shape[1]:]), f"sequence {i} differs"
+
+
+def test_bytes_per_token_at_8k_match_the_formula(demo):
+    """kitty-pro on the demo model (3 KV heads, D=64, G=128), 8192 tokens: pages cost the DESIGN formula."""
+    model = demo.model
+    cache = KittyCache(model, "kitty-pro")
+    torch.manual_seed(0)
+    ids = torch.randint(100, 40000, (1, 8192))
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    report = cache.memory_report().set_index("part")["bytes"]
+    layers, H, D, G, f = 30, 3, 64, 128, 0.25
+    key_pages = (8192 - 32) // G
+    value_pages = (8192 - 32 - 128) // G
+    per_token_head = {  # DESIGN.md: keys D/4 + f*D/4 + D/G + 4D/G, values D/4 + 4 bytes
+        "key dense plane": D / 4, "key high plane": f * D / 4, "key boost index": D / G, "key scales/zeros": 4 * D / G,
+    }
+    for part, per in per_token_head.items():
+        assert report[part] / (layers * H * key_pages * G) == pytest.approx(per)
+    assert report["value planes"] / (layers * H * value_pages * G) == pytest.approx(D / 4)
+    assert report["value scales/zeros"] / (layers * H * value_pages * G) == pytest.approx(4)
+    paged = sum(report[p] for p in per_token_head) / (layers * key_pages * G)
+    assert paged == pytest.approx(H * (16 + 4 + 0.5 + 2))  # 67.5 bytes per token per layer for keys
+    k_buffer = (8192 - 32) % G  # 96 keys wait for the next page
+    v_window = 8192 - 32 - value_pages * G  # 224 values: the window of 128 and 96 waiting
+    fp_parts = report[["key sink", "value sink", "key q_buffer", "value window + q_buffer"]].sum()
+    assert fp_parts == layers * H * D * 4 * (2 * 32 + k_buffer + v_window)  # 4 bytes: fp32 model on CPU
+
+
+def test_dense_view_matches_a_rebuild_from_the_packed_state():
+    layer = _layer("kitty+sink=3+group_size=8+local_window=8", batch=2)
+    torch.manual_seed(1)
+    x = torch.randn(2, 2, 5, 16)
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    mask[1, :, :, :2] = False
+    layer.attend(None, None, x, x, mask, None)
+    for step in range(40):
+        y = torch.randn(2, 2, 1, 16)
+        layer.attend(None, None, y, -y, None, None)
+        k, v = layer.dense_history(torch.float32)  # incremental
+        for b in range(2):
+            hk, hv = layer.sequence_history(b, torch.float32)  # from scratch
+            assert torch.equal(k[b, :, layer.pad[b]:], hk) and torch.equal(v[b, :, layer.pad[b]:], hv)
+            assert not k[b, :, : layer.pad[b]].any()
