@@ -65,11 +65,16 @@ def run_passkey(model, tokenizer, methods, lengths, depths=(0.1, 0.5, 0.9), tria
                                  pad_token_id=tokenizer.pad_token_id)
             answers = tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
             for (d, t, key), ans in zip(cases, answers):
-                found = re.search(r"\d{5}", ans)
                 rows.append({"method": m, "length": length, "depth": d, "trial": t, "key": key,
-                             "answer": ans.strip(), "correct": bool(found and found.group() == key),
+                             "answer": ans.strip(), "correct": retrieved(ans, key),
                              "prompt_tokens": int(enc.attention_mask[cases.index((d, t, key))].sum())})
     return pd.DataFrame(rows)
+
+
+def retrieved(answer: str, key: str) -> bool:
+    """The first number in the answer is the key itself (not a longer or shorter number)."""
+    found = re.search(r"\d+", answer)
+    return bool(found) and found.group() == key
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:

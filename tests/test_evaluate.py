@@ -1,0 +1,43 @@
+import json
+
+import pytest
+import torch
+
+from kitty_core.evaluate import compare, main, text_windows
+
+
+def test_compare_on_known_distributions():
+    ref = torch.log_softmax(torch.tensor([[[2.0, 0.0, 0.0]]]), -1)
+    same = compare(ref, ref, torch.tensor([[0]]))
+    assert same["kl"] == pytest.approx(0.0) and same["top1"] == 1.0
+    flat = torch.log(torch.full((1, 1, 3), 1 / 3))
+    other = compare(ref, flat, torch.tensor([[0]]))
+    p = ref.exp()[0, 0]
+    assert other["kl"] == pytest.approx(float((p * (p.log() - torch.log(torch.tensor(1 / 3)))).sum()), rel=1e-5)
+    assert other["perplexity"] == pytest.approx(3.0)
+
+
+def test_windows_are_spread_over_the_text(demo):
+    ids = text_windows(demo.tokenizer, "word " * 1000, 100, 20, 3)
+    assert ids.shape == (3, 120)
+    with pytest.raises(ValueError, match="tokens"):
+        text_windows(demo.tokenizer, "too short", 100, 20, 3)
+
+
+def test_cli_scores_methods_through_the_cache(demo, tmp_path, capsys):
+    out = tmp_path / "acc.json"
+    code = main(["--context", "400", "--continuation", "24", "--windows", "2", "--device", "cpu",
+                 "--methods", "fp16,kivi-k2v2,kitty-pro", "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "kitty-pro" in printed and "perplexity" in printed
+    res = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(res) == {"fp16", "kivi-k2v2", "kitty-pro"}
+    assert res["fp16"]["kl"] == 0 and res["fp16"]["top1"] == 1
+    assert res["kivi-k2v2"]["kl"] > res["kitty-pro"]["kl"] > 0
+    assert all({"method", "perplexity", "kl", "top1"} <= set(r) for r in res.values())
+
+
+def test_cli_rejects_a_bad_method(capsys):
+    assert main(["--methods", "fp16,kitty+boost_rate=2"]) == 2
+    assert "boost_rate" in capsys.readouterr().err
