@@ -136,8 +136,8 @@ class ReferenceEngine:
 
     name = "reference"
 
-    def quantize_keys(self, keys, n_boost, rule, generator):
-        return quantize_keys(keys, n_boost, rule, generator)
+    def quantize_keys(self, keys, n_boost, rule, generator, query_rms=None):
+        return quantize_keys(keys, n_boost, rule, generator, query_rms)
 
     def quantize_values(self, values, bits):
         return quantize_values(values, bits)
@@ -201,6 +201,9 @@ class KittyLayer(CacheLayerMixin):
         self.v_pages = PagePool(ValuePages, b)
         self._view_k = self._view_v = None  # dense view for the reference engine, see dense_history
         self._clean = [0] * b
+        # running sum of squared queries per sequence, KV head and channel (for selection="qk")
+        self.q_energy = torch.zeros((b, h, d), dtype=torch.float32, device=self.device)
+        self.q_count = torch.zeros((b, 1, 1), dtype=torch.float32, device=self.device)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -237,12 +240,28 @@ class KittyLayer(CacheLayerMixin):
         t = key_new.shape[2]
         if self.seen == 0:
             self.pad = padding_from_mask(attention_mask, self.batch, t)
+        if self.config.selection == "qk":
+            self._track_queries(query)
         out = self.engine.attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
         for b in range(self.batch):
             skip = self.pad[b] if self.seen == 0 else 0
             self._insert(b, key_new[b, :, skip:], value_new[b, :, skip:])
         self.seen += t
         return out
+
+    def _track_queries(self, query: torch.Tensor) -> None:
+        """Accumulate squared queries [B, Hq, t, D] per KV head and channel, pads excluded."""
+        b, hq, t, d = query.shape
+        q2 = query.float().pow(2).reshape(b, self.heads, hq // self.heads, t, d)
+        skip = torch.tensor(self.pad if self.seen == 0 else [0] * b, device=query.device)
+        real = (torch.arange(t, device=query.device)[None] >= skip[:, None]).float()  # [B, t]
+        self.q_energy += torch.einsum("bhrtd,bt->bhd", q2, real)
+        self.q_count += (real.sum(1) * (hq // self.heads)).reshape(b, 1, 1)
+
+    def _query_rms(self, b: int) -> torch.Tensor | None:
+        if self.config.selection != "qk":
+            return None
+        return (self.q_energy[b] / self.q_count[b].clamp_min(1)).sqrt().unsqueeze(0)  # [1, H, D]
 
     def _insert(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [H, n, D]: real new tokens of sequence b, in order."""
@@ -264,7 +283,8 @@ class KittyLayer(CacheLayerMixin):
         if full:
             self._dirty(b, self.k_sink.lens[b] + len(self.k_pages.table[b]) * g)
             pages = k[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)  # [N, H, G, D]
-            self.k_pages.add(b, self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator))
+            self.k_pages.add(b, self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator,
+                                                          self._query_rms(b)))
         self.k_buffer.append(b, k[:, full:])
         # values: the window keeps the newest R; older ones wait in the q_buffer until G of them
         window = torch.cat([self.v_window.tokens(b), v], dim=1)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-SELECTION_RULES = ("magnitude", "random")
+SELECTION_RULES = ("magnitude", "random", "range", "qk")  # see quant.channel_scores
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class KittyConfig:
     sink: int = 32  # S: the first S tokens of every sequence stay FP16 (keys and values)
     group_size: int = 128  # G: tokens per page; keys get one scale/zero per channel per page
     local_window: int = 128  # R: the newest R values stay FP16
-    selection: str = "magnitude"  # how boosted channels are chosen per page: magnitude | random
+    selection: str = "magnitude"  # how boosted channels are chosen per page: magnitude | random | range | qk
     seed: int = 0  # for selection="random"
 
     def __post_init__(self):
@@ -119,6 +119,3 @@ def _coerce(key: str, raw: str):
     except ValueError:
         raise ValueError(f"{key} must be a {kind}, got {raw!r}") from None
 
-
-def method_label(spec: str | KittyConfig) -> str:
-    return spec if isinstance(spec, str) else repr(spec)

@@ -83,21 +83,35 @@ def _minmax_params(x: torch.Tensor, levels: torch.Tensor, dim: int):
     return codes, scale.squeeze(dim), zero.squeeze(dim)
 
 
-def channel_scores(keys: torch.Tensor, rule: str, generator: torch.Generator | None = None) -> torch.Tensor:
+def channel_scores(keys: torch.Tensor, rule: str, generator: torch.Generator | None = None,
+                   query_rms: torch.Tensor | None = None) -> torch.Tensor:
     """Importance of each key channel of each page: [N, H, G, D] -> [N, H, D] (higher = boost first).
 
-    `magnitude` is the paper's rule, the mean |k| of the channel over the page's tokens.
+    magnitude  mean |k| of the channel over the page's tokens (the paper's rule)
+    random     uniform scores (the paper's ablation)
+    range      max - min of the channel over the page: its INT2 step, i.e. its quantization error
+    qk         range x the RMS of the queries on that channel ([N or 1, H, D] `query_rms`): the size
+               of the logit error q_d * e_d that leaving channel d at 2 bits causes
     """
     if rule == "magnitude":
         return keys.float().abs().mean(dim=-2)
     if rule == "random":
         n, h, _, d = keys.shape
         return torch.rand((n, h, d), generator=generator).to(keys.device)
+    if rule in ("range", "qk"):
+        x = keys.float()
+        spread = x.amax(dim=-2) - x.amin(dim=-2)
+        if rule == "range":
+            return spread
+        if query_rms is None:
+            raise ValueError("the qk rule needs the RMS of the queries per channel (query_rms)")
+        return spread * query_rms.to(spread.device, torch.float32)
     raise ValueError(f"unknown channel selection rule {rule!r}")
 
 
 def quantize_keys(
-    keys: torch.Tensor, n_boost: int, rule: str = "magnitude", generator: torch.Generator | None = None
+    keys: torch.Tensor, n_boost: int, rule: str = "magnitude", generator: torch.Generator | None = None,
+    query_rms: torch.Tensor | None = None,
 ) -> KeyPages:
     """keys [N, H, G, D] (any float dtype) -> KeyPages with the top-`n_boost` channels of each page at 4 bits."""
     n, h, g, d = keys.shape
@@ -108,7 +122,7 @@ def quantize_keys(
     if n_boost == d:
         boosted[:] = True
     elif n_boost > 0:
-        top = channel_scores(keys, rule, generator).topk(n_boost, dim=-1).indices
+        top = channel_scores(keys, rule, generator, query_rms).topk(n_boost, dim=-1).indices
         boosted.scatter_(-1, top, True)
     levels = torch.where(boosted, 15.0, 3.0).unsqueeze(-1)  # [N, H, D, 1]
     codes, scale, zero = _minmax_params(x, levels, dim=-1)  # codes [N, H, D, G]
