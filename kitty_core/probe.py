@@ -148,12 +148,15 @@ def int2_channel_error(keys: torch.Tensor, config: KittyConfig) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def sensitivity(cap: Capture, layer: int, config: KittyConfig | None = None, rows_per_block: int = 16) -> pd.DataFrame:
+def sensitivity(cap: Capture, layer: int, config: KittyConfig | None = None,
+                rows_per_block: int | None = None) -> pd.DataFrame:
     """MSE of each query head's causal attention probabilities when one key channel alone is INT2.
 
     Rows: layer, kv_head, q_head, channel, mse (mean over the causal entries of the T x T matrix)."""
     config = config or KittyConfig()
     q, k = cap.queries[layer], cap.keys[layer]  # [Hq, T, D], [Hkv, T, D]
+    if rows_per_block is None:  # small blocks stay in a CPU's cache; a GPU wants work per launch
+        rows_per_block = 64 if q.is_cuda else 4
     hq, t, d = q.shape
     rep = hq // k.shape[0]
     err = int2_channel_error(k, config).repeat_interleave(rep, 0)  # [Hq, T, D]
@@ -164,8 +167,8 @@ def sensitivity(cap: Capture, layer: int, config: KittyConfig | None = None, row
         first_row = t  # too short to hold a page: nothing is ever quantized
     else:
         first_row = int(quantized_rows[0])  # earlier query rows see only FP16 keys: nothing moves
-    qs = (q * cap.scaling).permute(2, 0, 1)  # [D, Hq, T]
-    e = err.permute(2, 0, 1)  # [D, Hq, T]
+    qs = (q * cap.scaling).permute(2, 0, 1).contiguous()  # [D, Hq, T]
+    e = err.permute(2, 0, 1).contiguous()  # [D, Hq, T]
     ones = torch.ones((t, 1), device=q.device)
     for r0 in range(first_row // rows_per_block * rows_per_block, t, rows_per_block):
         r1 = min(r0 + rows_per_block, t)
@@ -239,6 +242,11 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-12))
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def main(argv=None) -> int:
     from .models import ModelLoadError, load_model
 
@@ -254,16 +262,20 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
-        ids = lm.tokenizer(a.text.read_text(), return_tensors="pt", add_special_tokens=False).input_ids[:, : a.tokens]
+        if lm.tokenizer is None:  # a random-weight model: random tokens measure the same speed
+            ids = torch.randint(0, lm.model.config.vocab_size, (1, a.tokens), generator=torch.Generator().manual_seed(0))
+        else:
+            ids = lm.tokenizer(a.text.read_text(), return_tensors="pt", add_special_tokens=False).input_ids[:, : a.tokens]
         if ids.shape[1] < a.tokens:
             raise ValueError(f"the text has only {ids.shape[1]} tokens, fewer than --tokens {a.tokens}")
+        _sync(lm.device)
         t0 = time.perf_counter()
         cap = capture(lm.model, ids)
+        _sync(lm.device)
         layers = range(cap.layers) if a.layers == "all" else [int(x) for x in a.layers.split(",")]
         t1 = time.perf_counter()
         sens = pd.concat([sensitivity(cap, i) for i in layers], ignore_index=True)
-        if lm.device.type == "cuda":
-            torch.cuda.synchronize()
+        _sync(lm.device)
         t2 = time.perf_counter()
         agree = agreement(cap, sens, rules=a.rules.split(","))
         stats = channel_stats(cap)
