@@ -149,7 +149,9 @@ class ReferenceEngine:
         keys = torch.cat([past_k, key_new], dim=2)
         values = torch.cat([past_v, value_new], dim=2)
         kwargs.pop("dropout", None)
-        return sdpa_attention_forward(module, query, keys, values, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
+        out = sdpa_attention_forward(module, query, keys, values, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
+        layer.insert(key_new, value_new)  # after attention: the new tokens were attended in FP16
+        return out
 
 
 ENGINES = {"reference": ReferenceEngine}
@@ -242,12 +244,25 @@ class KittyLayer(CacheLayerMixin):
             self.pad = padding_from_mask(attention_mask, self.batch, t)
         if self.config.selection == "qk":
             self._track_queries(query)
-        out = self.engine.attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
+        return self.engine.attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
+
+    def insert(self, key_new: torch.Tensor, value_new: torch.Tensor, pack: bool = True) -> None:
+        """Store new tokens [B, H, t, D] (pads of a first call skipped). With pack=False (one decode
+        token) a buffer may be left full, for `pack_full()` after attention."""
         for b in range(self.batch):
             skip = self.pad[b] if self.seen == 0 else 0
-            self._insert(b, key_new[b, :, skip:], value_new[b, :, skip:])
-        self.seen += t
-        return out
+            self._insert(b, key_new[b, :, skip:], value_new[b, :, skip:], pack)
+        self.seen += key_new.shape[2]
+
+    def pack_full(self) -> None:
+        """Pack every key q-buffer that holds G tokens, and the oldest G values of every full window."""
+        c = self.config
+        if not c.quantize:
+            return
+        for b in range(self.batch):
+            if self.k_buffer.lens[b] >= c.group_size or self.v_window.lens[b] >= c.local_window + c.group_size:
+                nothing = self.k_buffer.buf[b, :, :0]
+                self._insert(b, nothing, nothing, pack=True)
 
     def _track_queries(self, query: torch.Tensor) -> None:
         """Accumulate squared queries [B, Hq, t, D] per KV head and channel, pads excluded."""
@@ -263,7 +278,7 @@ class KittyLayer(CacheLayerMixin):
             return None
         return (self.q_energy[b] / self.q_count[b].clamp_min(1)).sqrt().unsqueeze(0)  # [1, H, D]
 
-    def _insert(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _insert(self, b: int, k: torch.Tensor, v: torch.Tensor, pack: bool = True) -> None:
         """k, v [H, n, D]: real new tokens of sequence b, in order."""
         c = self.config
         take = min(self.k_sink.room(b), k.shape[1])
@@ -271,7 +286,11 @@ class KittyLayer(CacheLayerMixin):
             self.k_sink.append(b, k[:, :take])
             self.v_sink.append(b, v[:, :take])
             k, v = k[:, take:], v[:, take:]
-        if not k.shape[1]:
+        if not self.config.quantize:
+            return
+        if not pack:
+            self.k_buffer.append(b, k)
+            self.v_window.append(b, v)
             return
         g = c.group_size
         # keys: fill the q_buffer; every G tokens become one page (several at once in a prefill)
@@ -295,6 +314,32 @@ class KittyLayer(CacheLayerMixin):
             pages = window[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)
             self.v_pages.add(b, self.engine.quantize_values(pages, c.value_bits))
         self.v_window.append(b, window[:, full:])
+
+    def kernel_state(self) -> dict:
+        """What a decode kernel reads: FP16 regions, page pools, page tables and per-sequence counts."""
+        c, dev = self.config, self.device
+        lens = [self.tokens(b) for b in range(self.batch)]
+        slots = max(-(-max(n - c.sink, 0) // c.group_size) for n in lens)
+        def table(pool):
+            t = torch.zeros((self.batch, max(slots, 1)), dtype=torch.int32)
+            for b, ids in enumerate(pool.table):
+                t[b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+            return t.to(dev)
+        def store(pool, kind):
+            if pool.store is not None:
+                return pool.store
+            x = torch.zeros((1, self.heads, c.group_size, self.head_dim), device=dev)  # a stand-in page
+            pages = quantize_keys(x, self.n_boost) if kind == "k" else quantize_values(x, c.value_bits)
+            return {f.name: getattr(pages, f.name) for f in fields(pages)}
+        count = lambda pool: torch.tensor([len(t) for t in pool.table], dtype=torch.int32, device=dev)  # noqa: E731
+        return {
+            "lens": torch.tensor(lens, dtype=torch.int32, device=dev), "max_slots": slots,
+            "n_kpages": count(self.k_pages), "n_vpages": count(self.v_pages),
+            "k_table": table(self.k_pages), "v_table": table(self.v_pages),
+            "k_pages": store(self.k_pages, "k"), "v_pages": store(self.v_pages, "v"),
+            "k_sink": self.k_sink.buf, "v_sink": self.v_sink.buf,
+            "k_buffer": self.k_buffer.buf, "v_window": self.v_window.buf,
+        }
 
     def sequence_history(self, b: int, dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [H, n_b - start, D] of sequence b from token `start` on, as attention sees

@@ -8,8 +8,10 @@ from kitty_core.cache import KittyLayer, ReferenceEngine
 
 
 class _NoAttention(ReferenceEngine):
-    def attend(self, *args, **kwargs):
-        return None
+    """Stores what arrives and attends to nothing: drives the state machine alone."""
+
+    def attend(self, layer, module, query, key_new, value_new, *args, **kwargs):
+        layer.insert(key_new, value_new)
 
 
 def _layer(spec, batch=1, heads=2, dim=16):

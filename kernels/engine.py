@@ -1,0 +1,28 @@
+"""The Triton engine: decode steps attend directly on packed pages through `decode.decode_attention`.
+
+Prefill (several new tokens) attends in FP16 over the prompt as the reference engine does; a decode
+step stores the new token in FP16, runs the fused kernel over the layer's state, then packs any
+buffer that became full (at most once every G steps).
+"""
+
+from __future__ import annotations
+
+from kitty_core.cache import ReferenceEngine
+
+from .decode import decode_attention
+
+
+class TritonEngine(ReferenceEngine):
+    name = "triton"
+
+    def __init__(self):
+        self.workspaces: dict[int, dict] = {}
+
+    def attend(self, layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
+        if key_new.shape[2] != 1 or not layer.config.quantize:
+            return super().attend(layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
+        layer.insert(key_new, value_new, pack=False)
+        ws = self.workspaces.setdefault(layer.layer_idx, {})
+        out = decode_attention(layer, query, scaling if scaling is not None else query.shape[-1] ** -0.5, ws)
+        layer.pack_full()
+        return out.transpose(1, 2), None  # transformers expects [B, t, Hq, D]
