@@ -114,13 +114,13 @@ def _decode_partial_kernel(
     n_sink = tl.minimum(n, S)
     out = b * sMb + heads * sMh + chunk
     out_acc = ACC + b * sAb + heads[:, None] * sAh + chunk * sAc + d[None, :]
-    if chunk == 0:
+    if chunk == 0:  # names differ from the page branch: the two tiles have different shapes
         ts = tl.arange(0, S_P)
-        ok = ts < n_sink
+        in_sink = ts < n_sink
         offs = b * sSb + h * sSh + ts[:, None] * sSt + d[None, :]
-        k = tl.load(KS + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-        v = tl.load(VS + offs, mask=ok[:, None], other=0.0).to(tl.float32)
-        m, l, acc = _softmax_tile(q, k, v, ok, scaling)
+        k_sink = tl.load(KS + offs, mask=in_sink[:, None], other=0.0).to(tl.float32)
+        v_sink = tl.load(VS + offs, mask=in_sink[:, None], other=0.0).to(tl.float32)
+        m, l, acc = _softmax_tile(q, k_sink, v_sink, in_sink, scaling)
     else:
         c = chunk - 1
         first = S + c * G
@@ -170,11 +170,13 @@ def _combine_kernel(M, L, ACC, O, sMb, sMh, sAb, sAh, sAc, sOb, sOh,
     tl.store(O + b * sOb + hq * sOh + d, o.to(O.dtype.element_ty))
 
 
-def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None) -> torch.Tensor:
+def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
+                     state: dict | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over a Kitty layer's state.
 
-    query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16)."""
-    st = layer.kernel_state()
+    query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16).
+    `state` is `layer.kernel_state()` (built here if not given); `workspace` keeps the partials."""
+    st = state if state is not None else layer.kernel_state()
     b, hq, _, d = query.shape
     hkv, rep = layer.heads, hq // layer.heads
     c = layer.config

@@ -1,0 +1,117 @@
+"""Benchmarks (scripts, not tests). Every speed figure is a ratio measured in one run against a
+baseline of the same shape, with the bandwidth it implies next to a device-to-device copy.
+
+    python -m kitty_core.bench kernels --shapes 64x8192,8x32768,1x131072 --boost 0,0.125,0.25
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from .cache import KittyLayer, ReferenceEngine
+from .config import parse_method
+
+
+def cuda_time(fn, warmup: int = 3, iters: int = 20) -> float:
+    """Median milliseconds of fn() on the current CUDA stream."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = cuda_time(lambda: y.copy_(x))
+    return 2 * nbytes / (ms / 1e3)
+
+
+def synthetic_layer(method: str, batch: int, length: int, kv_heads: int, head_dim: int, dtype) -> KittyLayer:
+    """A layer holding `length` tokens per sequence (random keys with uneven channel scales), the
+    last one stored in FP16 and not yet packed: the state a decode step attends over."""
+    layer = KittyLayer(parse_method(method), ReferenceEngine())
+    empty = torch.zeros(batch, kv_heads, 0, head_dim, device="cuda", dtype=dtype)
+    layer.lazy_initialization(empty, empty)
+    spread = torch.linspace(0.2, 4.0, head_dim, device="cuda", dtype=dtype)
+    for s in range(0, length - 1, 8192):  # prefill in chunks to bound the temporary FP16 tensors
+        n = min(8192, length - 1 - s)
+        k = torch.randn(batch, kv_heads, n, head_dim, device="cuda", dtype=dtype) * spread
+        layer.insert(k, torch.randn_like(k))
+    k = torch.randn(batch, kv_heads, 1, head_dim, device="cuda", dtype=dtype) * spread
+    layer.insert(k, torch.randn_like(k), pack=False)
+    return layer
+
+
+def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
+    from kernels.decode import decode_attention
+
+    bw_copy = copy_bandwidth()
+    rows = []
+    for batch, length in shapes:
+        q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+        k16 = torch.randn(batch, kv_heads, length, head_dim, device="cuda", dtype=dtype)
+        v16 = torch.randn_like(k16)
+        scale = head_dim**-0.5
+        sdpa_ms = cuda_time(lambda: F.scaled_dot_product_attention(q, k16, v16, scale=scale, enable_gqa=True))
+        sdpa_bytes = 2 * k16.numel() * k16.element_size()
+        del k16, v16
+        for boost in boosts:
+            layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
+            state, ws = layer.kernel_state(), {}
+            fused_ms = cuda_time(lambda: decode_attention(layer, q, scale, ws, state))
+            parts = layer.nbytes()
+            read = sum(parts.values()) + q.numel() * q.element_size()
+            rows.append({
+                "batch": batch, "length": length, "boost_rate": boost,
+                "fused_ms": fused_ms, "sdpa_fp16_ms": sdpa_ms, "speedup_vs_sdpa": sdpa_ms / fused_ms,
+                "fused_bytes": read, "fused_TBps": read / fused_ms / 1e9, "sdpa_TBps": sdpa_bytes / sdpa_ms / 1e9,
+                "copy_TBps": bw_copy / 1e12,
+            })
+            print(pd.DataFrame(rows[-1:]).to_string(index=False, header=len(rows) == 1, float_format=lambda x: f"{x:.3f}"),
+                  flush=True)
+            del layer, state, ws
+            torch.cuda.empty_cache()
+    return pd.DataFrame(rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kitty_core.bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    k = sub.add_parser("kernels", help="fused decode attention vs SDPA on FP16, Qwen3-8B attention shapes")
+    k.add_argument("--shapes", default="64x8192,8x32768,1x131072", help="BATCHxLENGTH,...")
+    k.add_argument("--boost", default="0,0.125,0.25")
+    k.add_argument("--out", type=Path, default=None, help="CSV or JSON file")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: the kernel benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    df = bench_kernels(shapes, [float(x) for x in a.boost.split(",")])
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        if a.out.suffix == ".json":
+            a.out.write_text(json.dumps({"settings": meta, "results": df.to_dict(orient="records")}, indent=2))
+        else:
+            df.assign(**meta).to_csv(a.out, index=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
