@@ -19,60 +19,75 @@ import torch
 import triton
 import triton.language as tl
 
-from kitty_core.quant import dequantize_keys, dequantize_values
 
 
 @triton.jit
-def _interleave4(c0, c1, c2, c3, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Four [ROWS, COLS/4] planes -> [ROWS, COLS] with plane j at columns 4i + j."""
-    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (ROWS, COLS))
-
-
-@triton.jit
-def _key_page(KD, KH, KI, KSC, KZ, page, h, sKDp, sKDh, sKDd, sKHp, sKHh, sKHr, sKIp, sKIh,
-              D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr):
-    """Dequantized key page [G, D] (fp32) of KV head h."""
-    d = tl.arange(0, D)
-    t4 = tl.arange(0, G // 4)
-    dense = tl.load(KD + page * sKDp + h * sKDh + d[:, None] * sKDd + t4[None, :]).to(tl.int32)  # [D, G/4]
-    idx = tl.load(KI + page * sKIp + h * sKIh + d).to(tl.int32)
-    if NB > 0:
-        boosted = idx < NB
-        row = tl.where(boosted, idx, 0)
-        high = tl.load(KH + page * sKHp + h * sKHh + row[:, None] * sKHr + t4[None, :],
-                       mask=boosted[:, None], other=0).to(tl.int32)
+def _dequant_pages_kernel(KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKHp, sKHh, sKHr, sKIp, sKIh,
+                          VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVSp, sVSh, O, sOp, sOh, sOt,
+                          H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, V4: tl.constexpr,
+                          KEYS: tl.constexpr):
+    """One page and head per program; each 2-bit field of a byte is one plane, stored to its positions
+    (tokens 4t + j of a key page, channels 4c + m of a value page)."""
+    pid = tl.program_id(0)
+    page = pid // H
+    h = pid % H
+    out = O + page * sOp + h * sOh
+    if KEYS:
+        d = tl.arange(0, D)
+        t4 = tl.arange(0, G // 4)
+        dense = tl.load(KD + page * sKDp + h * sKDh + d[:, None] * sKDd + t4[None, :]).to(tl.int32)  # [D, G/4]
+        ibase = page * sKIp + h * sKIh
+        idx = tl.load(KI + ibase + d).to(tl.int32)
+        if NB > 0:
+            boosted = idx < NB  # Algorithm 1: the boost index names the row of the compact high plane
+            high = tl.load(KH + page * sKHp + h * sKHh + tl.where(boosted, idx, 0)[:, None] * sKHr + t4[None, :],
+                           mask=boosted[:, None], other=0).to(tl.int32)
+        else:
+            high = tl.zeros_like(dense)
+        scale = tl.load(KSC + ibase + d).to(tl.float32)[:, None]
+        zero = tl.load(KZ + ibase + d).to(tl.float32)[:, None]
+        for j in tl.static_range(4):
+            x = _key_plane_codes(dense, high, j).to(tl.float32) * scale + zero  # [D, G/4]
+            tl.store(out + (4 * t4 + j)[None, :] * sOt + d[:, None], x)
     else:
-        high = tl.zeros_like(dense)
-    c0 = (dense & 3) | ((high & 3) << 2)
-    c1 = ((dense >> 2) & 3) | (((high >> 2) & 3) << 2)
-    c2 = ((dense >> 4) & 3) | (((high >> 4) & 3) << 2)
-    c3 = ((dense >> 6) & 3) | (((high >> 6) & 3) << 2)
-    codes = _interleave4(c0, c1, c2, c3, D, G).to(tl.float32)  # [D, G]
-    scale = tl.load(KSC + page * sKIp + h * sKIh + d).to(tl.float32)
-    zero = tl.load(KZ + page * sKIp + h * sKIh + d).to(tl.float32)
-    return tl.trans(codes * scale[:, None] + zero[:, None])
+        t = tl.arange(0, G)
+        c4 = tl.arange(0, D // 4)
+        vbase = page * sVLp + h * sVLh
+        sbase = page * sVSp + h * sVSh
+        scale = tl.load(VSC + sbase + t).to(tl.float32)[:, None]
+        zero = tl.load(VZ + sbase + t).to(tl.float32)[:, None]
+        for m in tl.static_range(4):
+            x = _value_plane(VL, VH, VSC, VZ, vbase, sbase, t, c4, sVLt, m, V4).to(tl.float32) * scale + zero
+            tl.store(out + t[:, None] * sOt + (4 * c4 + m)[None, :], x)
 
 
-@triton.jit
-def _value_page(VL, VH, VSC, VZ, page, h, sVLp, sVLh, sVLt, sVSp, sVSh,
-                D: tl.constexpr, G: tl.constexpr, V4: tl.constexpr):
-    """Dequantized value page [G, D] (fp32) of KV head h."""
-    t = tl.arange(0, G)
-    c4 = tl.arange(0, D // 4)
-    offs = page * sVLp + h * sVLh + t[:, None] * sVLt + c4[None, :]
-    low = tl.load(VL + offs).to(tl.int32)  # [G, D/4]
-    if V4:
-        high = tl.load(VH + offs).to(tl.int32)
+def dequantize_pages(pages) -> torch.Tensor:
+    """KeyPages or ValuePages [N, H, ...] -> float32 [N, H, G, D] (Algorithm 1, as a kernel)."""
+    from kitty_core.quant import KeyPages
+
+    keys = isinstance(pages, KeyPages)
+    pages = type(pages)(**{k: v.contiguous() for k, v in vars(pages).items()})  # the kernel assumes unit last strides
+    if keys:
+        n, h, d, g4 = pages.dense.shape
+        g = g4 * 4
+        kd, kh, ki, ksc, kz = pages.dense, pages.high, pages.boost_idx, pages.scale, pages.zero
+        vl = vh = vsc = vz = kd  # unused
+        nb, v4 = pages.n_boost, False
     else:
-        high = tl.zeros_like(low)
-    c0 = (low & 3) | ((high & 3) << 2)
-    c1 = ((low >> 2) & 3) | (((high >> 2) & 3) << 2)
-    c2 = ((low >> 4) & 3) | (((high >> 4) & 3) << 2)
-    c3 = ((low >> 6) & 3) | (((high >> 6) & 3) << 2)
-    codes = _interleave4(c0, c1, c2, c3, G, D).to(tl.float32)
-    scale = tl.load(VSC + page * sVSp + h * sVSh + t).to(tl.float32)
-    zero = tl.load(VZ + page * sVSp + h * sVSh + t).to(tl.float32)
-    return codes * scale[:, None] + zero[:, None]
+        n, h, g, d4 = pages.low.shape
+        d = d4 * 4
+        vl, vh, vsc, vz = pages.low, pages.high, pages.scale, pages.zero
+        kd = kh = ki = ksc = kz = vl  # unused
+        nb, v4 = 0, pages.high.shape[-1] > 0
+    out = torch.empty((n, h, g, d), dtype=torch.float32, device=(kd if keys else vl).device)
+    _dequant_pages_kernel[(n * h,)](
+        kd, kh, ki, ksc, kz, kd.stride(0), kd.stride(1), kd.stride(2),
+        kh.stride(0), kh.stride(1), kh.stride(2) if kh.dim() > 2 else 0, ki.stride(0), ki.stride(1),
+        vl, vh, vsc, vz, vl.stride(0), vl.stride(1), vl.stride(2), vsc.stride(0), vsc.stride(1),
+        out, out.stride(0), out.stride(1), out.stride(2),
+        H=h, D=d, G=g, NB=nb, V4=v4, KEYS=keys,
+    )
+    return out
 
 
 @triton.jit
@@ -88,6 +103,50 @@ def _softmax_tile(q, k, v, valid, scaling):
 
 
 @triton.jit
+def _key_plane_codes(dense, high, J: tl.constexpr):
+    """Codes of token plane J (tokens 4i + J) of a key page: low 2 bits + 4 x high 2 bits."""
+    return ((dense >> (2 * J)) & 3) + (((high >> (2 * J)) & 3) << 2)
+
+
+@triton.jit
+def _value_plane(VL, VH, VSC, VZ, vbase, sbase, rows, c4, sVLt, M_: tl.constexpr, V4: tl.constexpr):
+    """Codes of channel plane M_ (channels 4c + M_) for the value rows `rows` of a page: [len(rows), D/4]."""
+    offs = vbase + rows[:, None] * sVLt + c4[None, :]
+    low = tl.load(VL + offs).to(tl.int32)
+    codes = (low >> (2 * M_)) & 3
+    if V4:
+        codes += ((tl.load(VH + offs).to(tl.int32) >> (2 * M_)) & 3) << 2
+    return codes
+
+
+@triton.jit
+def _pv_packed(acc0, acc1, acc2, acc3, p, VL, VH, VSC, VZ, vbase, sbase, rows, c4, sVLt,
+               V4: tl.constexpr):
+    """acc_m += p @ V[rows, channels 4c + m] for a packed value page; per-token scales folded into p."""
+    vs = tl.load(VSC + sbase + rows).to(tl.float32)
+    vz = tl.load(VZ + sbase + rows).to(tl.float32)
+    pw = (p * vs[None, :]).to(tl.float16)
+    pz = tl.sum(p * vz[None, :], 1)[:, None]
+    acc0 += tl.dot(pw, _value_plane(VL, VH, VSC, VZ, vbase, sbase, rows, c4, sVLt, 0, V4).to(tl.float16)) + pz
+    acc1 += tl.dot(pw, _value_plane(VL, VH, VSC, VZ, vbase, sbase, rows, c4, sVLt, 1, V4).to(tl.float16)) + pz
+    acc2 += tl.dot(pw, _value_plane(VL, VH, VSC, VZ, vbase, sbase, rows, c4, sVLt, 2, V4).to(tl.float16)) + pz
+    acc3 += tl.dot(pw, _value_plane(VL, VH, VSC, VZ, vbase, sbase, rows, c4, sVLt, 3, V4).to(tl.float16)) + pz
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _pv_fp16(acc0, acc1, acc2, acc3, p, VW, wbase, rows, ok, c4, sVWt):
+    """acc_m += p @ V[rows, channels 4c + m] for FP16 values of the window."""
+    offs = wbase + rows[:, None] * sVWt + 4 * c4[None, :]
+    pf = p.to(tl.float16)
+    acc0 += tl.dot(pf, tl.load(VW + offs + 0, mask=ok[:, None], other=0.0).to(tl.float16))
+    acc1 += tl.dot(pf, tl.load(VW + offs + 1, mask=ok[:, None], other=0.0).to(tl.float16))
+    acc2 += tl.dot(pf, tl.load(VW + offs + 2, mask=ok[:, None], other=0.0).to(tl.float16))
+    acc3 += tl.dot(pf, tl.load(VW + offs + 3, mask=ok[:, None], other=0.0).to(tl.float16))
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _decode_partial_kernel(
     Q, sQb, sQh,
     KS, VS, sSb, sSh, sSt,
@@ -100,8 +159,14 @@ def _decode_partial_kernel(
     M, L, ACC, sMb, sMh, sAb, sAh, sAc,
     scaling,
     HKV: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-    S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, V4: tl.constexpr,
+    S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, V4: tl.constexpr, PPP: tl.constexpr,
 ):
+    """Chunk 0: the sink. Chunk 1 + i: page slots [i * PPP, (i + 1) * PPP), online softmax over them.
+
+    A page is never unpacked into natural order: its tokens are taken as four planes (tokens 4t + j,
+    one 2-bit field of each byte) and its value channels as four planes (channels 4c + m), so each
+    plane is a plain dot product; per-channel key scales are folded into q and per-token value scales
+    into the probabilities."""
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     b = pid // HKV
@@ -110,46 +175,102 @@ def _decode_partial_kernel(
     d = tl.arange(0, D)
     heads = h * REP + r
     q = tl.load(Q + b * sQb + heads[:, None] * sQh + d[None, :], mask=(r < REP)[:, None], other=0.0).to(tl.float32)
+    q = q * scaling
     n = tl.load(LENS + b)
-    n_sink = tl.minimum(n, S)
     out = b * sMb + heads * sMh + chunk
-    out_acc = ACC + b * sAb + heads[:, None] * sAh + chunk * sAc + d[None, :]
     if chunk == 0:  # names differ from the page branch: the two tiles have different shapes
         ts = tl.arange(0, S_P)
-        in_sink = ts < n_sink
+        in_sink = ts < tl.minimum(n, S)
         offs = b * sSb + h * sSh + ts[:, None] * sSt + d[None, :]
         k_sink = tl.load(KS + offs, mask=in_sink[:, None], other=0.0).to(tl.float32)
         v_sink = tl.load(VS + offs, mask=in_sink[:, None], other=0.0).to(tl.float32)
-        m, l, acc = _softmax_tile(q, k_sink, v_sink, in_sink, scaling)
+        m_s, l_s, acc_s = _softmax_tile(q, k_sink, v_sink, in_sink, 1.0)
+        tl.store(M + out, m_s, mask=r < REP)
+        tl.store(L + out, l_s, mask=r < REP)
+        tl.store(ACC + b * sAb + heads[:, None] * sAh + chunk * sAc + d[None, :], acc_s, mask=(r < REP)[:, None])
     else:
-        c = chunk - 1
-        first = S + c * G
-        count = tl.minimum(n - first, G)
-        t = tl.arange(0, G)
-        ok = t < count
-        if count > 0:
-            n_kp = tl.load(NKP + b)
-            n_vp = tl.load(NVP + b)
-            if c < n_kp:
-                k = _key_page(KD, KH, KI, KSC, KZ, tl.load(KT + b * sKT + c), h, sKDp, sKDh, sKDd,
-                              sKHp, sKHh, sKHr, sKIp, sKIh, D, G, NB)
-            else:  # the FP16 key q-buffer holds this slot's tokens
-                k = tl.load(KB + b * sKBb + h * sKBh + t[:, None] * sKBt + d[None, :],
-                            mask=ok[:, None], other=0.0).to(tl.float32)
-            if c < n_vp:
-                v = _value_page(VL, VH, VSC, VZ, tl.load(VT + b * sVT + c), h, sVLp, sVLh, sVLt, sVSp, sVSh, D, G, V4)
-            else:  # the FP16 value window starts at the first value token not yet paged
-                w = (c - n_vp) * G + t
-                v = tl.load(VW + b * sVWb + h * sVWh + w[:, None] * sVWt + d[None, :],
-                            mask=ok[:, None], other=0.0).to(tl.float32)
-            m, l, acc = _softmax_tile(q, k, v, ok, scaling)
-        else:
-            m = tl.full((REP_P,), float("-inf"), tl.float32)
-            l = tl.zeros((REP_P,), tl.float32)
-            acc = tl.zeros((REP_P, D), tl.float32)
-    tl.store(M + out, m, mask=r < REP)
-    tl.store(L + out, l, mask=r < REP)
-    tl.store(out_acc, acc, mask=(r < REP)[:, None])
+        G4: tl.constexpr = G // 4
+        D4: tl.constexpr = D // 4
+        t4 = tl.arange(0, G4)
+        c4 = tl.arange(0, D4)
+        n_kp = tl.load(NKP + b)
+        n_vp = tl.load(NVP + b)
+        m_i = tl.full((REP_P,), float("-inf"), tl.float32)
+        l_i = tl.zeros((REP_P,), tl.float32)
+        acc0 = tl.zeros((REP_P, D4), tl.float32)
+        acc1 = tl.zeros((REP_P, D4), tl.float32)
+        acc2 = tl.zeros((REP_P, D4), tl.float32)
+        acc3 = tl.zeros((REP_P, D4), tl.float32)
+        for i in range(PPP):
+            c = (chunk - 1) * PPP + i
+            count = tl.minimum(n - (S + c * G), G)
+            if count > 0:
+                if c < n_kp:
+                    page = tl.load(KT + b * sKT + c)
+                    kbase = page * sKDp + h * sKDh
+                    dense = tl.load(KD + kbase + d[:, None] * sKDd + t4[None, :]).to(tl.int32)  # [D, G/4]
+                    ibase = page * sKIp + h * sKIh
+                    idx = tl.load(KI + ibase + d).to(tl.int32)
+                    if NB > 0:
+                        boosted = idx < NB
+                        high = tl.load(KH + page * sKHp + h * sKHh + tl.where(boosted, idx, 0)[:, None] * sKHr
+                                       + t4[None, :], mask=boosted[:, None], other=0).to(tl.int32)
+                    else:
+                        high = tl.zeros_like(dense)
+                    ks = tl.load(KSC + ibase + d).to(tl.float32)
+                    kz = tl.load(KZ + ibase + d).to(tl.float32)
+                    qk = (q * ks[None, :]).to(tl.float16)
+                    qz = tl.sum(q * kz[None, :], 1)[:, None]
+                    s0 = tl.dot(qk, _key_plane_codes(dense, high, 0).to(tl.float16)) + qz
+                    s1 = tl.dot(qk, _key_plane_codes(dense, high, 1).to(tl.float16)) + qz
+                    s2 = tl.dot(qk, _key_plane_codes(dense, high, 2).to(tl.float16)) + qz
+                    s3 = tl.dot(qk, _key_plane_codes(dense, high, 3).to(tl.float16)) + qz
+                else:  # the FP16 key q-buffer
+                    qf = q.to(tl.float16)
+                    kb = KB + b * sKBb + h * sKBh + d[None, :]
+                    s0 = tl.dot(qf, tl.trans(tl.load(kb + (4 * t4 + 0)[:, None] * sKBt, mask=(4 * t4 + 0 < count)[:, None], other=0.0).to(tl.float16)))
+                    s1 = tl.dot(qf, tl.trans(tl.load(kb + (4 * t4 + 1)[:, None] * sKBt, mask=(4 * t4 + 1 < count)[:, None], other=0.0).to(tl.float16)))
+                    s2 = tl.dot(qf, tl.trans(tl.load(kb + (4 * t4 + 2)[:, None] * sKBt, mask=(4 * t4 + 2 < count)[:, None], other=0.0).to(tl.float16)))
+                    s3 = tl.dot(qf, tl.trans(tl.load(kb + (4 * t4 + 3)[:, None] * sKBt, mask=(4 * t4 + 3 < count)[:, None], other=0.0).to(tl.float16)))
+                s0 = tl.where((4 * t4 + 0 < count)[None, :], s0, float("-inf"))
+                s1 = tl.where((4 * t4 + 1 < count)[None, :], s1, float("-inf"))
+                s2 = tl.where((4 * t4 + 2 < count)[None, :], s2, float("-inf"))
+                s3 = tl.where((4 * t4 + 3 < count)[None, :], s3, float("-inf"))
+                top = tl.maximum(tl.maximum(tl.max(s0, 1), tl.max(s1, 1)), tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
+                m_new = tl.maximum(m_i, top)
+                alpha = tl.exp(m_i - m_new)
+                p0 = tl.exp(s0 - m_new[:, None])
+                p1 = tl.exp(s1 - m_new[:, None])
+                p2 = tl.exp(s2 - m_new[:, None])
+                p3 = tl.exp(s3 - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1) + tl.sum(p2, 1) + tl.sum(p3, 1)
+                acc0 = acc0 * alpha[:, None]
+                acc1 = acc1 * alpha[:, None]
+                acc2 = acc2 * alpha[:, None]
+                acc3 = acc3 * alpha[:, None]
+                m_i = m_new
+                if c < n_vp:
+                    vpage = tl.load(VT + b * sVT + c)
+                    vbase = vpage * sVLp + h * sVLh
+                    sbase = vpage * sVSp + h * sVSh
+                    acc0, acc1, acc2, acc3 = _pv_packed(acc0, acc1, acc2, acc3, p0, VL, VH, VSC, VZ, vbase, sbase, 4 * t4 + 0, c4, sVLt, V4)
+                    acc0, acc1, acc2, acc3 = _pv_packed(acc0, acc1, acc2, acc3, p1, VL, VH, VSC, VZ, vbase, sbase, 4 * t4 + 1, c4, sVLt, V4)
+                    acc0, acc1, acc2, acc3 = _pv_packed(acc0, acc1, acc2, acc3, p2, VL, VH, VSC, VZ, vbase, sbase, 4 * t4 + 2, c4, sVLt, V4)
+                    acc0, acc1, acc2, acc3 = _pv_packed(acc0, acc1, acc2, acc3, p3, VL, VH, VSC, VZ, vbase, sbase, 4 * t4 + 3, c4, sVLt, V4)
+                else:  # the FP16 value window starts at the first value token not yet paged
+                    wbase = b * sVWb + h * sVWh + (c - n_vp) * G * sVWt
+                    acc0, acc1, acc2, acc3 = _pv_fp16(acc0, acc1, acc2, acc3, p0, VW, wbase, 4 * t4 + 0, 4 * t4 + 0 < count, c4, sVWt)
+                    acc0, acc1, acc2, acc3 = _pv_fp16(acc0, acc1, acc2, acc3, p1, VW, wbase, 4 * t4 + 1, 4 * t4 + 1 < count, c4, sVWt)
+                    acc0, acc1, acc2, acc3 = _pv_fp16(acc0, acc1, acc2, acc3, p2, VW, wbase, 4 * t4 + 2, 4 * t4 + 2 < count, c4, sVWt)
+                    acc0, acc1, acc2, acc3 = _pv_fp16(acc0, acc1, acc2, acc3, p3, VW, wbase, 4 * t4 + 3, 4 * t4 + 3 < count, c4, sVWt)
+        tl.store(M + out, m_i, mask=r < REP)
+        tl.store(L + out, l_i, mask=r < REP)
+        a = ACC + b * sAb + heads[:, None] * sAh + chunk * sAc + 4 * c4[None, :]
+        keep = (r < REP)[:, None]
+        tl.store(a + 0, acc0, mask=keep)
+        tl.store(a + 1, acc1, mask=keep)
+        tl.store(a + 2, acc2, mask=keep)
+        tl.store(a + 3, acc3, mask=keep)
 
 
 @triton.jit
@@ -180,7 +301,10 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     b, hq, _, d = query.shape
     hkv, rep = layer.heads, hq // layer.heads
     c = layer.config
-    n_chunks = 1 + st["max_slots"]
+    slots = st["max_slots"]
+    # enough programs to fill the GPU (about 8 per SM of an H200), as few partials as that allows
+    ppp = max(1, min(16, b * hkv * slots // 1056))
+    n_chunks = 1 + -(-slots // ppp)
     q = query[:, :, 0]
     ws = workspace if workspace is not None else {}
     if ws.get("shape") != (b, hq, n_chunks, d):
@@ -209,7 +333,7 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
         scaling,
         HKV=hkv, REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), D=d, G=c.group_size,
         S=c.sink, S_P=max(16, triton.next_power_of_2(max(c.sink, 1))), NB=layer.n_boost,
-        V4=c.value_bits == 4,
+        V4=c.value_bits == 4, PPP=ppp,
     )
     out = torch.empty((b, hq, 1, d), device=q.device, dtype=query.dtype)
     _combine_kernel[(b * hq,)](
@@ -232,4 +356,4 @@ def decode_attention_reference(layer, query: torch.Tensor, scaling: float) -> to
     return torch.stack(outs)[:, :, None].to(query.dtype)
 
 
-__all__ = ["decode_attention", "decode_attention_reference", "dequantize_keys", "dequantize_values"]
+__all__ = ["decode_attention", "decode_attention_reference", "dequantize_pages"]

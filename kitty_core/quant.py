@@ -37,7 +37,7 @@ def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
     if n % 4:
         raise ValueError(f"the packed dimension must be a multiple of 4, got {n}")
     c = codes.to(torch.uint8).reshape(*codes.shape[:-1], n // 4, 4)
-    return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+    return (c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)).contiguous()
 
 
 def unpack_2bit(packed: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ def _minmax_params(x: torch.Tensor, levels: torch.Tensor, dim: int):
     s32, z32 = scale.float(), zero.float()
     codes = torch.where(s32 > 0, torch.round((x - z32) / s32.clamp_min(1e-30)), torch.zeros_like(x))
     codes = torch.minimum(codes.clamp_min(0), levels).to(torch.uint8)
-    return codes, scale.squeeze(dim), zero.squeeze(dim)
+    return codes, scale.squeeze(dim).contiguous(), zero.squeeze(dim).contiguous()
 
 
 def channel_scores(keys: torch.Tensor, rule: str, generator: torch.Generator | None = None,

@@ -42,7 +42,7 @@ def test_fused_decode_matches_reference(spec):
     ref = decode_attention_reference(layer, q, 0.25)
     out = decode_attention(layer, q, 0.25)
     assert out.shape == (len(LENS), 4, 1, 16)
-    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)  # fp16 operands in the dots
+    torch.testing.assert_close(out, ref, atol=5e-3, rtol=1e-2)  # fp16 operands in the dots
 
 
 def test_boost_rates_0_to_100_percent():
@@ -53,7 +53,7 @@ def test_boost_rates_0_to_100_percent():
         assert layer.n_boost == round(rate * 16)
         q = torch.randn(2, 4, 1, 16, device=DEVICE)
         torch.testing.assert_close(decode_attention(layer, q, 0.25), decode_attention_reference(layer, q, 0.25),
-                                   atol=2e-3, rtol=2e-3)
+                                   atol=5e-3, rtol=1e-2)
 
 
 @pytest.mark.gpu
@@ -82,3 +82,15 @@ def test_triton_engine_agrees_with_reference_on_the_demo_model(dtype):
     same = (outs["triton"] == outs["reference"]).all(0)
     first = int((~same).nonzero()[0]) if not same.all() else None
     print(f"{dtype}: greedy 128 tokens, first divergence at position {first}")
+
+
+@pytest.mark.parametrize("n_boost", [0, 2, 16])
+@pytest.mark.parametrize("value_bits", [2, 4])
+def test_dequantize_kernel_is_exact(n_boost, value_bits):
+    from kernels.decode import dequantize_pages
+    from kitty_core.quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
+
+    x = torch.randn(3, 2, 16, 16, device=DEVICE) * torch.linspace(0.5, 4, 16, device=DEVICE)
+    kp, vp = quantize_keys(x, n_boost), quantize_values(x, value_bits)
+    assert torch.equal(dequantize_pages(kp), dequantize_keys(kp))
+    assert torch.equal(dequantize_pages(vp), dequantize_values(vp))
