@@ -292,7 +292,8 @@ def _combine_kernel(M, L, ACC, O, sMb, sMh, sAb, sAh, sAc, sOb, sOh,
 
 
 def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
-                     state: dict | None = None) -> torch.Tensor:
+                     state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 4,
+                     num_stages: int = 2) -> torch.Tensor:
     """Attention of one new query token per sequence over a Kitty layer's state.
 
     query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16).
@@ -303,7 +304,7 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     c = layer.config
     slots = st["max_slots"]
     # enough programs to fill the GPU (about 8 per SM of an H200), as few partials as that allows
-    ppp = max(1, min(16, b * hkv * slots // 1056))
+    ppp = pages_per_program or max(1, min(16, b * hkv * slots // 1056))
     n_chunks = 1 + -(-slots // ppp)
     q = query[:, :, 0]
     ws = workspace if workspace is not None else {}
@@ -333,7 +334,7 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
         scaling,
         HKV=hkv, REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), D=d, G=c.group_size,
         S=c.sink, S_P=max(16, triton.next_power_of_2(max(c.sink, 1))), NB=layer.n_boost,
-        V4=c.value_bits == 4, PPP=ppp,
+        V4=c.value_bits == 4, PPP=ppp, num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty((b, hq, 1, d), device=q.device, dtype=query.dtype)
     _combine_kernel[(b * hq,)](

@@ -90,6 +90,23 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
     return pd.DataFrame(rows)
 
 
+def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
+    """Fused kernel time over launch settings (pages per program, warps, stages) at one shape."""
+    from kernels.decode import decode_attention
+
+    batch, length = shape
+    layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
+    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+    state, rows = layer.kernel_state(), []
+    for ppp in (1, 2, 4, 8, 16):
+        for warps in (2, 4, 8):
+            for stages in (1, 2, 3):
+                ws = {}
+                ms = cuda_time(lambda: decode_attention(layer, q, 0.088, ws, state, ppp, warps, stages), iters=10)
+                rows.append({"batch": batch, "length": length, "ppp": ppp, "warps": warps, "stages": stages, "ms": ms})
+    return pd.DataFrame(rows).sort_values("ms")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kitty_core.bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -97,11 +114,16 @@ def main(argv=None) -> int:
     k.add_argument("--shapes", default="64x8192,8x32768,1x131072", help="BATCHxLENGTH,...")
     k.add_argument("--boost", default="0,0.125,0.25")
     k.add_argument("--out", type=Path, default=None, help="CSV or JSON file")
+    k.add_argument("--sweep", action="store_true", help="instead: time launch settings of the fused kernel")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the kernel benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    if a.sweep:
+        for shape in shapes:
+            print(sweep_launch(shape).head(8).to_string(index=False), flush=True)
+        return 0
     df = bench_kernels(shapes, [float(x) for x in a.boost.split(",")])
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,9 +8,13 @@ from kitty_core.cache import KittyLayer, ReferenceEngine
 from kitty_core.config import parse_method
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# tensor-core dots need every dimension >= 16: on a GPU the token and channel planes of a page
+# (G/4 tokens, D/4 channels) must be 16 wide; the interpreter takes smaller, faster shapes
+DIM, GROUP = (64, 64) if DEVICE == "cuda" else (16, 16)
+SINK = 4
 
 
-def _layer(spec, lens, heads=2, dim=16, seed=0, decode_steps=3):
+def _layer(spec, lens, heads=2, dim=DIM, seed=0, decode_steps=3):
     """A layer whose sequences hold `lens` real tokens after a left-padded prefill and decode steps,
     the last decode token stored in FP16 but not packed (the state a decode kernel sees)."""
     torch.manual_seed(seed)
@@ -27,9 +31,9 @@ def _layer(spec, lens, heads=2, dim=16, seed=0, decode_steps=3):
     return layer
 
 
-# ragged: sink only (3), sink + half-full q-buffer (12), several pages, a full buffer (4 + 3*16)
-LENS = [3, 12, 45, 52, 71]
-SMALL = "+sink=4+group_size=16+local_window=16"
+# ragged: sink only, sink + half-full q-buffer, several pages, a full q-buffer not yet packed, more
+LENS = [3, SINK + GROUP // 2, SINK + 2 * GROUP + 5, SINK + 3 * GROUP, SINK + 4 * GROUP + 3]
+SMALL = f"+sink={SINK}+group_size={GROUP}+local_window={GROUP}"
 
 
 @pytest.mark.parametrize("spec", ["kivi-k2v2-sink", "kitty", "kitty-pro", "k4v2-sink", "k2v4-sink", "kivi-k2v2"])
@@ -37,11 +41,11 @@ def test_fused_decode_matches_reference(spec):
     from kernels.decode import decode_attention, decode_attention_reference
 
     layer = _layer(spec + SMALL, LENS)
-    assert layer.k_buffer.lens[3] == 16  # one sequence's q-buffer is full, not yet packed
-    q = torch.randn(len(LENS), 4, 1, 16, device=DEVICE)
+    assert layer.k_buffer.lens[3] == GROUP  # one sequence's q-buffer is full, not yet packed
+    q = torch.randn(len(LENS), 4, 1, DIM, device=DEVICE)
     ref = decode_attention_reference(layer, q, 0.25)
     out = decode_attention(layer, q, 0.25)
-    assert out.shape == (len(LENS), 4, 1, 16)
+    assert out.shape == (len(LENS), 4, 1, DIM)
     torch.testing.assert_close(out, ref, atol=5e-3, rtol=1e-2)  # fp16 operands in the dots
 
 
@@ -49,9 +53,9 @@ def test_boost_rates_0_to_100_percent():
     from kernels.decode import decode_attention, decode_attention_reference
 
     for rate in (0.0, 0.125, 0.25, 1.0):
-        layer = _layer(f"kitty+boost_rate={rate}" + SMALL, [40, 70], seed=1)
-        assert layer.n_boost == round(rate * 16)
-        q = torch.randn(2, 4, 1, 16, device=DEVICE)
+        layer = _layer(f"kitty+boost_rate={rate}" + SMALL, [SINK + 2 * GROUP + 4, SINK + 4 * GROUP + 2], seed=1)
+        assert layer.n_boost == round(rate * DIM)
+        q = torch.randn(2, 4, 1, DIM, device=DEVICE)
         torch.testing.assert_close(decode_attention(layer, q, 0.25), decode_attention_reference(layer, q, 0.25),
                                    atol=5e-3, rtol=1e-2)
 
@@ -84,13 +88,13 @@ def test_triton_engine_agrees_with_reference_on_the_demo_model(dtype):
     print(f"{dtype}: greedy 128 tokens, first divergence at position {first}")
 
 
-@pytest.mark.parametrize("n_boost", [0, 2, 16])
+@pytest.mark.parametrize("n_boost", [0, 2, DIM])
 @pytest.mark.parametrize("value_bits", [2, 4])
 def test_dequantize_kernel_is_exact(n_boost, value_bits):
     from kernels.decode import dequantize_pages
     from kitty_core.quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
 
-    x = torch.randn(3, 2, 16, 16, device=DEVICE) * torch.linspace(0.5, 4, 16, device=DEVICE)
+    x = torch.randn(3, 2, GROUP, DIM, device=DEVICE) * torch.linspace(0.5, 4, DIM, device=DEVICE)
     kp, vp = quantize_keys(x, n_boost), quantize_values(x, value_bits)
     assert torch.equal(dequantize_pages(kp), dequantize_keys(kp))
     assert torch.equal(dequantize_pages(vp), dequantize_values(vp))
