@@ -18,8 +18,15 @@ class TritonEngine(ReferenceEngine):
     def __init__(self):
         self.workspaces: dict[int, dict] = {}
 
+    @staticmethod
+    def supports(layer, query) -> bool:
+        """Tensor-core tiles need G/4 and D/4 >= 16; a GQA group must fit one 16-row tile."""
+        c = layer.config
+        return (c.quantize and c.group_size % 64 == 0 and layer.head_dim % 64 == 0
+                and query.shape[1] // layer.heads <= 16 and query.is_cuda)
+
     def attend(self, layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
-        if key_new.shape[2] != 1 or not layer.config.quantize:
+        if key_new.shape[2] != 1 or not self.supports(layer, query):
             return super().attend(layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
         layer.insert(key_new, value_new, pack=False)
         ws = self.workspaces.setdefault(layer.layer_idx, {})
