@@ -214,6 +214,16 @@ def rule_scores(cap: Capture, layer: int, rule: str, config: KittyConfig | None 
     return channel_scores(paged.unsqueeze(0), rule, gen, query_rms.unsqueeze(0))[0]
 
 
+def boosted(cap: Capture, layer: int, config: KittyConfig) -> torch.Tensor:
+    """[Hkv, D] bool: the channels the method would boost over this prompt, by its selection rule."""
+    scores = rule_scores(cap, layer, config.selection, config, config.seed)
+    nb = config.boosted_channels(scores.shape[-1])
+    mask = torch.zeros_like(scores, dtype=torch.bool)
+    if nb:
+        mask.scatter_(-1, scores.topk(nb, dim=-1).indices, True)
+    return mask
+
+
 def agreement(cap: Capture, sens: pd.DataFrame, rules=("magnitude", "random"), config: KittyConfig | None = None,
               rates=(0.125, 0.25)) -> pd.DataFrame:
     """Per (layer, kv_head, rule): Spearman of rule scores vs sensitivity (summed over the group's

@@ -1,18 +1,55 @@
+"""The lab, headless (Streamlit's AppTest) on the demo model on CPU: every page renders real data."""
+
+import json
 from pathlib import Path
 
+import pytest
 from streamlit.testing.v1 import AppTest
 
-APP = str(Path(__file__).resolve().parent.parent / "app.py")
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = ["app.py", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "pages").glob("*.py"))]
 
 
-def test_app_starts_on_the_demo_model():
-    at = AppTest.from_file(APP, default_timeout=300).run()
+def run(page: str) -> AppTest:
+    at = AppTest.from_file(str(ROOT / page), default_timeout=300)
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def chart(at: AppTest, i: int = 0) -> dict:
+    return json.loads(at.get("plotly_chart")[i].proto.spec)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_renders_with_the_shared_sidebar(page):
+    at = run(page)
+    assert at.sidebar.text_input[0].value == "demo"
+    assert any("30 layers" in c.value for c in at.sidebar.caption)
+    spec = chart(at)
+    assert any(len(trace.get("x", []) or trace.get("z", [])) for trace in spec["data"])
+
+
+def test_overview_memory_table_and_layout():
+    at = run("app.py")
+    table = at.dataframe[0].value.set_index("method")
+    assert len(table) == 8 and table.loc["kitty", "vs_fp16"] > table.loc["kitty-pro", "vs_fp16"] > 4
+    assert table.loc["kitty-pro", "vs_fp16"] == pytest.approx(256 / 42.5)  # D=64: 4D bytes over 42.5
+    layout = chart(at)
+    assert {t["name"] for t in layout["data"]} >= {"sink (FP16)", "pages"}
+
+
+def test_boost_dial_changes_the_method():
+    at = run("pages/1_Key_statistics.py")
+    at.sidebar.slider[0].set_value(0.5).run()
     assert not at.exception
-    table = at.dataframe[0].value
-    assert len(table) == 8 and table.set_index("method").loc["kitty-pro", "bits per element"] < 3
+    assert "kitty-pro+boost_rate=0.5" in json.dumps(chart(at, 1)["layout"]["title"])
 
 
-def test_bad_model_shows_an_error():
-    at = AppTest.from_file(APP, default_timeout=300).run()
+def test_bad_inputs_show_errors_not_exceptions():
+    at = run("app.py")
     at.sidebar.text_input[0].set_value("/nowhere/model").run()
     assert not at.exception and "looks like a path" in at.error[0].value
+    at = run("pages/1_Key_statistics.py")
+    at.sidebar.radio[0].set_value("My text").run()
+    assert not at.exception and "empty" in at.warning[0].value

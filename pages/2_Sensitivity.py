@@ -1,0 +1,41 @@
+"""Sensitivity: what quantizing one key channel to INT2 does to each query head's attention (Figure 2b)."""
+
+import plotly.express as px
+import streamlit as st
+
+from kitty_app import cached_capture, cached_sensitivity, prompt_ids, sidebar
+from kitty_core.config import SELECTION_RULES
+from kitty_core.probe import agreement, rule_scores
+
+frame = sidebar()
+st.title("Per-channel sensitivity")
+st.caption("Each key channel alone is quantized to INT2 as the cache would (per page, sink kept FP16); "
+           "the bars are the MSE of each query head's causal attention probabilities against FP16.")
+
+shape = frame.lm.shape
+cols = st.columns(3)
+tokens = cols[0].number_input("Prompt tokens", 64, int(shape["context"] or 8192), 512, 128)
+layer = int(cols[1].number_input("Layer", 0, shape["layers"] - 1, min(15, shape["layers"] - 1)))
+kv_head = int(cols[2].number_input("KV head", 0, shape["kv_heads"] - 1, 0))
+prompt_ids(frame, int(tokens))
+cap = cached_capture(frame.model_key, frame.text, int(tokens))
+sens = cached_sensitivity(frame.model_key, frame.text, int(tokens), layer)
+
+group = sens[sens.kv_head == kv_head]
+fig = px.bar(group, x="channel", y="mse", color=group.q_head.astype(str), barmode="group",
+             labels={"color": "query head", "mse": "attention MSE"},
+             title=f"Layer {layer}, KV head {kv_head}: attention MSE when one channel is INT2")
+st.plotly_chart(fig, width="stretch")
+
+agree = agreement(cap, sens, rules=SELECTION_RULES)
+rule = st.selectbox("Selection rule", SELECTION_RULES, index=SELECTION_RULES.index("qk"))
+
+scatter = group.groupby("channel", as_index=False)["mse"].sum()
+scatter["score"] = rule_scores(cap, layer, rule)[kv_head].cpu().numpy()
+row = agree[(agree.rule == rule) & (agree.kv_head == kv_head)].iloc[0]
+fig2 = px.scatter(scatter, x="score", y="mse", hover_data=["channel"], log_y=True,
+                  title=f"{rule} score vs measured sensitivity: Spearman {row.spearman:.2f}, "
+                        f"overlap@12.5% {row['overlap@0.125']:.2f}, overlap@25% {row['overlap@0.25']:.2f}")
+st.plotly_chart(fig2, width="stretch")
+st.dataframe(agree.groupby("rule")[["spearman", "overlap@0.125", "overlap@0.25"]].mean(), width="stretch")
+st.download_button("Download sensitivity (CSV)", sens.to_csv(index=False), f"sensitivity_layer{layer}.csv", "text/csv")
