@@ -53,3 +53,16 @@ def test_bad_inputs_show_errors_not_exceptions():
     at = run("pages/1_Key_statistics.py")
     at.sidebar.radio[0].set_value("My text").run()
     assert not at.exception and "empty" in at.warning[0].value
+
+
+def test_generations_page_marks_divergence_and_rejects_an_empty_prompt():
+    at = run("pages/4_Generations.py")
+    assert any("FP16" in c.value for c in at.caption)
+    at.text_area[0].set_value("   ").run()
+    assert not at.exception and "empty" in at.error[0].value
+
+
+def test_boost_rate_page_plots_saved_results_per_rule():
+    at = run("pages/3_Boost_rate.py")
+    names = {t.get("name") for t in chart(at)["data"]}
+    assert {"magnitude", "qk", "random", "range", "presets"} <= names

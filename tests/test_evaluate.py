@@ -41,3 +41,16 @@ def test_cli_scores_methods_through_the_cache(demo, tmp_path, capsys):
 def test_cli_rejects_a_bad_method(capsys):
     assert main(["--methods", "fp16,kitty+boost_rate=2"]) == 2
     assert "boost_rate" in capsys.readouterr().err
+
+
+def test_generations_against_fp16(demo):
+    from kitty_core.generate import compare_generations
+
+    texts, kl = compare_generations(demo.model, demo.tokenizer, "The capital of France is", ["kivi-k2v2", "kitty-pro"], 12)
+    assert list(texts.method) == ["fp16", "kivi-k2v2", "kitty-pro"]
+    assert texts.first_divergence[0] is None and "Paris" in texts.text[0]
+    assert len(kl) == 2 * 12 and (kl.kl >= -1e-6).all()
+    with pytest.raises(ValueError, match="empty"):
+        compare_generations(demo.model, demo.tokenizer, "  ", ["kitty"])
+    with pytest.raises(ValueError, match="context"):
+        compare_generations(demo.model, demo.tokenizer, "hi", ["kitty"], 9000)
