@@ -71,14 +71,6 @@ class Fp16Region:
     def tokens(self, b: int) -> torch.Tensor:
         return self.buf[b, :, : self.lens[b]]
 
-    def pop_front(self, b: int, n: int) -> torch.Tensor:
-        """Remove and return the oldest n tokens [H, n, D] of sequence b."""
-        head = self.buf[b, :, :n].clone()
-        rest = self.lens[b] - n
-        self.buf[b, :, :rest] = self.buf[b, :, n : self.lens[b]].clone()
-        self.lens[b] = rest
-        return head
-
     def clear(self, b: int) -> None:
         self.lens[b] = 0
 

@@ -11,7 +11,6 @@ frame = sidebar()
 st.title("Key statistics")
 st.caption("A few key channels stand out in every layer (Kitty, Figure 2a); values have no such channels.")
 
-
 shape = frame.lm.shape
 cols = st.columns(4)
 tokens = cols[0].number_input("Prompt tokens", 16, int(shape["context"] or 8192), 512, 128)
