@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import KittyConfig, parse_method
+from .hf import PendingKV, enable_kitty_attention, num_attention_layers, sdpa_attention_forward
 from .quant import (
     KeyPages,
     ValuePages,
@@ -124,7 +125,11 @@ class PagePool:
 
 
 class ReferenceEngine:
-    """Attention over the dequantized history with transformers' SDPA: the readable ground truth."""
+    """Attention over the dequantized history with transformers' SDPA: the readable ground truth.
+
+    It reads a dense view of what attention sees (pages dequantized, FP16 parts as stored) that the
+    layer updates only where tokens arrived or were packed; the view is this engine's working copy,
+    the memory report counts the packed state."""
 
     name = "reference"
 
@@ -135,8 +140,6 @@ class ReferenceEngine:
         return quantize_values(values, bits)
 
     def attend(self, layer: "KittyLayer", module, query, key_new, value_new, attention_mask, scaling, **kwargs):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
         past_k, past_v = layer.dense_history(key_new.dtype)  # [B, H, seen, D], right-aligned
         keys = torch.cat([past_k, key_new], dim=2)
         values = torch.cat([past_v, value_new], dim=2)
@@ -204,8 +207,6 @@ class KittyLayer(CacheLayerMixin):
         """Defer: attention (hf.kitty_attention) inserts the new tokens after it has used them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        from .hf import PendingKV
-
         return PendingKV(self, key_states), value_states
 
     def get_seq_length(self) -> int:
@@ -436,8 +437,6 @@ class KittyCache(Cache):
     `kitty` implementation (SDPA for everything that is not a KittyCache)."""
 
     def __init__(self, model, method: str | KittyConfig = "kitty", engine: str | None = None):
-        from .hf import enable_kitty_attention, num_attention_layers
-
         self.config = parse_method(method)
         if engine is None:
             engine = "triton" if _on_cuda(model) and "triton" in available_engines() else "reference"
