@@ -47,7 +47,10 @@ for col, row in zip(st.columns(len(texts)), texts.itertuples()):
         col.caption(f"departs from FP16 at token {d}")
         col.markdown(f"{html.escape(same)}<mark>{html.escape(rest)}</mark>", unsafe_allow_html=True)
 if len(kl):
-    fig = px.line(kl, x="step", y="kl", color="method", log_y=True,
+    fig = px.line(kl, x="step", y="kl", color="method", markers=True,
                   title="KL(FP16 || method) per step, along FP16's own continuation")
     st.plotly_chart(fig, width="stretch")
+    if not kl.kl.abs().gt(1e-9).any():
+        st.caption("KL is zero throughout: this short a prompt still sits in the FP16 sink and buffers, "
+                   "nothing has been packed yet. Longer prompts reach the 2-bit pages.")
 st.download_button("Download (CSV)", texts.drop(columns="tokens").to_csv(index=False), "generations.csv", "text/csv")
