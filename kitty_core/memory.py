@@ -1,10 +1,8 @@
 """The byte budget of a method on a model: what each token costs, and what fits in a memory budget.
 
-Per KV head and token (head size D, page size G, b boosted key channels), from the page format in
-quant.py: keys D/4 + b/4 bytes of planes, plus D/G (boost index) + 4D/G (FP16 scale and zero per
-channel per page); values D * value_bits / 8 bytes plus 4 (FP16 scale and zero per token). FP16
-tokens cost 4D bytes (key and value). A sequence also holds at most S + G + (R + G) FP16 tokens
-beside its pages (sink, key q-buffer, value window and q-buffer).
+Paged tokens cost `KittyConfig.token_bytes` per KV head (the page format of quant.py); FP16 tokens
+cost 4D bytes (key and value). Beside its pages a sequence holds at most S + G FP16 keys (sink,
+q-buffer) and S + R + G FP16 values (sink, local window, q-buffer).
 """
 
 from __future__ import annotations
@@ -14,22 +12,13 @@ import pandas as pd
 from .config import KittyConfig, parse_method
 
 
-def token_bytes(config: KittyConfig, head_dim: int) -> dict[str, float]:
-    """Bytes per paged token and KV head: payload (the planes) and metadata (index, scales, zeros)."""
-    d = head_dim
-    if not config.quantize:
-        return {"payload": 4.0 * d, "metadata": 0.0}
-    g, nb = config.group_size, config.boosted_channels(d)
-    payload = d / 4 + nb / 4 + d * config.value_bits / 8
-    metadata = d / g + 4 * d / g + 4
-    return {"payload": payload, "metadata": metadata}
-
-
-def fp16_tokens_per_sequence(config: KittyConfig) -> int:
-    """The most FP16 tokens a sequence holds beside its pages (keys and values counted as one token)."""
+def fp16_bytes_per_sequence(config: KittyConfig, head_dim: int) -> int:
+    """Most FP16 bytes per KV head a sequence holds beside its pages: S + G keys (sink, q-buffer)
+    and S + R + G values (sink, window, q-buffer), 2 bytes per element."""
     if not config.quantize:
         return 0
-    return config.sink + config.group_size + config.local_window
+    s, g, r = config.sink, config.group_size, config.local_window
+    return 2 * head_dim * ((s + g) + (s + r + g))
 
 
 def layout_segments(config: KittyConfig, n_tokens: int) -> pd.DataFrame:
@@ -65,9 +54,9 @@ def memory_table(shape: dict, methods, budget_gib: float = 80.0, context: int = 
     rows = []
     for m in methods:
         c = parse_method(m)
-        tb = token_bytes(c, d)
+        tb = c.token_bytes(d)
         per_token = (tb["payload"] + tb["metadata"]) * layers * heads
-        fixed = fp16_tokens_per_sequence(c) * 4 * d * layers * heads
+        fixed = fp16_bytes_per_sequence(c, d) * layers * heads
         per_sequence = fixed + context * per_token
         rows.append({
             "method": m,
