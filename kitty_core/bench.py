@@ -59,7 +59,9 @@ def synthetic_layer(method: str, batch: int, length: int, kv_heads: int, head_di
 
 
 def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
-    from kernels.decode import decode_attention
+    """Per shape and boost rate: the fused kernel, the unfused qk -> softmax -> sv path and SDPA on an
+    FP16 cache of the same shape, timed in this process; bytes the fused kernel must read."""
+    from kernels.decode import decode_attention, decode_attention_unfused
 
     bw_copy = copy_bandwidth()
     rows = []
@@ -75,11 +77,13 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
             layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
             state, ws = layer.kernel_state(), {}
             fused_ms = cuda_time(lambda: decode_attention(layer, q, scale, ws, state))
+            unfused_ms = cuda_time(lambda: decode_attention_unfused(layer, q, scale, state))
             parts = layer.nbytes()
             read = sum(parts.values()) + q.numel() * q.element_size()
             rows.append({
                 "batch": batch, "length": length, "boost_rate": boost,
-                "fused_ms": fused_ms, "sdpa_fp16_ms": sdpa_ms, "speedup_vs_sdpa": sdpa_ms / fused_ms,
+                "fused_ms": fused_ms, "unfused_ms": unfused_ms, "sdpa_fp16_ms": sdpa_ms,
+                "fused_vs_sdpa": sdpa_ms / fused_ms, "fused_vs_unfused": unfused_ms / fused_ms,
                 "fused_bytes": read, "fused_TBps": read / fused_ms / 1e9, "sdpa_TBps": sdpa_bytes / sdpa_ms / 1e9,
                 "copy_TBps": bw_copy / 1e12,
             })
@@ -91,20 +95,40 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
 
 
 def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
-    """Fused kernel time over launch settings (pages per program, warps, stages) at one shape."""
+    """Fused kernel time over launch settings (pages per program, warps, stages, fp16 conversion)."""
     from kernels.decode import decode_attention
 
     batch, length = shape
     layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
     q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
     state, rows = layer.kernel_state(), []
-    for ppp in (1, 2, 4, 8, 16):
-        for warps in (2, 4, 8):
+    for ppp in (2, 4, 8, 16):
+        for warps in (4, 8):
             for stages in (1, 2, 3):
-                ws = {}
-                ms = cuda_time(lambda: decode_attention(layer, q, 0.088, ws, state, ppp, warps, stages), iters=10)
-                rows.append({"batch": batch, "length": length, "ppp": ppp, "warps": warps, "stages": stages, "ms": ms})
+                for bias in (True, False):
+                    ws = {}
+                    ms = cuda_time(lambda: decode_attention(layer, q, 0.088, ws, state, ppp, warps, stages, bias),
+                                   iters=10)
+                    rows.append({"batch": batch, "length": length, "ppp": ppp, "warps": warps, "stages": stages,
+                                 "bias": bias, "ms": ms})
     return pd.DataFrame(rows).sort_values("ms")
+
+
+def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, **launch) -> pd.DataFrame:
+    """Where the fused kernel's time goes: the full kernel, keys only, unpacking without dots, and
+    plain loads of the same packed bytes (diagnostic variants of the page loop), one shape."""
+    from kernels.decode import decode_attention
+
+    batch, length = shape
+    layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
+    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+    state, rows = layer.kernel_state(), []
+    read = sum(layer.nbytes().values())
+    for mode, what in enumerate(("full kernel", "keys only", "unpack, no dots", "packed bytes, plain loads")):
+        ws = {}
+        ms = cuda_time(lambda: decode_attention(layer, q, 0.088, ws, state, ablate=mode, **launch))
+        rows.append({"batch": batch, "length": length, "variant": what, "ms": ms, "TBps_of_cache": read / ms / 1e9})
+    return pd.DataFrame(rows)
 
 
 def main(argv=None) -> int:
@@ -115,11 +139,17 @@ def main(argv=None) -> int:
     k.add_argument("--boost", default="0,0.125,0.25")
     k.add_argument("--out", type=Path, default=None, help="CSV or JSON file")
     k.add_argument("--sweep", action="store_true", help="instead: time launch settings of the fused kernel")
+    k.add_argument("--ablate", action="store_true", help="instead: time diagnostic variants of the fused kernel")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the kernel benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    if a.ablate:
+        for shape in shapes:
+            for warps in (4, 8):
+                print(ablate(shape, num_warps=warps, num_stages=1).assign(warps=warps).to_string(index=False), flush=True)
+        return 0
     if a.sweep:
         for shape in shapes:
             print(sweep_launch(shape).head(8).to_string(index=False), flush=True)

@@ -14,9 +14,12 @@ Value page (per-token asymmetric quantization over the D channels):
     scale     fp16  [N, H, G]
     zero      fp16  [N, H, G]
 
-Bit order in a byte: element j of a packed row sits at bits 2*(j % 4) of byte j // 4, so the four
-values of a byte are read with shifts 0, 2, 4, 6 (the paper's Algorithm 1). Keys pack along tokens
-(a byte holds 4 consecutive tokens of one channel), values along channels.
+Bit order: a packed row of n codes is four planes of n/4 codes. Element j sits in byte j % (n/4) at
+bits 2 * (j // (n/4)): byte i holds elements i, i + n/4, i + n/2, i + 3n/4 (shifts 0, 2, 4, 6, as in
+the paper's Algorithm 1). Keys pack along tokens (a byte holds four tokens of one channel, G/4
+apart), values along channels. Planes of contiguous elements, rather than four neighbours per byte,
+let a kernel read a page as one natural-order tile: column j loads byte j % (n/4) and shifts by
+2 * (j // (n/4)), with no shuffle of the unpacked values.
 
 Codes are computed against the FP16-rounded scale and zero that are stored, so dequantizing a page
 reproduces exactly what the page encodes; the error of each element is at most scale / 2.
@@ -36,14 +39,14 @@ def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
     n = codes.shape[-1]
     if n % 4:
         raise ValueError(f"the packed dimension must be a multiple of 4, got {n}")
-    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], n // 4, 4)
-    return (c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)).contiguous()
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], 4, n // 4)
+    return (c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6)).contiguous()
 
 
 def unpack_2bit(packed: torch.Tensor) -> torch.Tensor:
     """[..., n/4] uint8 -> [..., n] uint8 codes in [0, 3]."""
     parts = [(packed >> s) & 3 for s in _SHIFTS]
-    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 4)
+    return torch.cat(parts, dim=-1)
 
 
 @dataclass

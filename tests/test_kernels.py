@@ -38,26 +38,28 @@ SMALL = f"+sink={SINK}+group_size={GROUP}+local_window={GROUP}"
 
 @pytest.mark.parametrize("spec", ["kivi-k2v2-sink", "kitty", "kitty-pro", "k4v2-sink", "k2v4-sink", "kivi-k2v2"])
 def test_fused_decode_matches_reference(spec):
-    from kernels.decode import decode_attention, decode_attention_reference
+    from kernels.decode import decode_attention, decode_attention_reference, decode_attention_unfused
 
     layer = _layer(spec + SMALL, LENS)
     assert layer.k_buffer.lens[3] == GROUP  # one sequence's q-buffer is full, not yet packed
     q = torch.randn(len(LENS), 4, 1, DIM, device=DEVICE)
     ref = decode_attention_reference(layer, q, 0.25)
-    out = decode_attention(layer, q, 0.25)
-    assert out.shape == (len(LENS), 4, 1, DIM)
-    torch.testing.assert_close(out, ref, atol=5e-3, rtol=1e-2)  # fp16 operands in the dots
+    for out in (decode_attention(layer, q, 0.25), decode_attention(layer, q, 0.25, pages_per_program=2),
+                decode_attention(layer, q, 0.25, bias=False), decode_attention_unfused(layer, q, 0.25)):
+        assert out.shape == (len(LENS), 4, 1, DIM)
+        torch.testing.assert_close(out, ref, atol=5e-3, rtol=1e-2)  # fp16 operands in the dots
 
 
 def test_boost_rates_0_to_100_percent():
-    from kernels.decode import decode_attention, decode_attention_reference
+    from kernels.decode import decode_attention, decode_attention_reference, decode_attention_unfused
 
     for rate in (0.0, 0.125, 0.25, 1.0):
         layer = _layer(f"kitty+boost_rate={rate}" + SMALL, [SINK + 2 * GROUP + 4, SINK + 4 * GROUP + 2], seed=1)
         assert layer.n_boost == round(rate * DIM)
         q = torch.randn(2, 4, 1, DIM, device=DEVICE)
-        torch.testing.assert_close(decode_attention(layer, q, 0.25), decode_attention_reference(layer, q, 0.25),
-                                   atol=5e-3, rtol=1e-2)
+        ref = decode_attention_reference(layer, q, 0.25)
+        torch.testing.assert_close(decode_attention(layer, q, 0.25), ref, atol=5e-3, rtol=1e-2)
+        torch.testing.assert_close(decode_attention_unfused(layer, q, 0.25), ref, atol=5e-3, rtol=1e-2)
 
 
 @pytest.mark.gpu

@@ -17,8 +17,11 @@ def test_pack_unpack_round_trip_is_bit_exact():
     packed = pack_2bit(codes)
     assert packed.shape == (3, 5, 16) and packed.dtype == torch.uint8
     assert torch.equal(unpack_2bit(packed), codes)
-    # bit order: element j at bits 2*(j % 4) of byte j // 4
+    # bit order: element j of n at bits 2 * (j // (n/4)) of byte j % (n/4)
     assert pack_2bit(torch.tensor([1, 2, 3, 0], dtype=torch.uint8)).item() == 1 | 2 << 2 | 3 << 4
+    row = torch.zeros(8, dtype=torch.uint8)
+    row[5] = 3  # plane 2 (bits 4-5) of byte 1
+    assert pack_2bit(row).tolist() == [0, 3 << 4]
     with pytest.raises(ValueError):
         pack_2bit(torch.zeros(6, dtype=torch.uint8))
 
