@@ -28,7 +28,12 @@ class TritonEngine(ReferenceEngine):
 
     def attend(self, layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
         if key_new.shape[2] != 1 or not self.supports(layer, query):
-            return super().attend(layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
+            out = super().attend(layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
+            if self.supports(layer, query):
+                # prefill (or a chunk of it) attended over a dense FP16 view of this layer's history;
+                # decode steps read the packed state, so the view is freed, not kept beside it
+                layer.drop_dense_view()
+            return out
         layer.insert(key_new, value_new, pack=False)
         ws = self.workspaces.setdefault(layer.layer_idx, {})
         out = decode_attention(layer, query, scaling if scaling is not None else query.shape[-1] ** -0.5, ws)

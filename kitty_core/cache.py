@@ -56,24 +56,41 @@ class Fp16Region:
     def room(self, b: int) -> int:
         return self.capacity - self.lens[b] if not self.growable else 1 << 62
 
+    def _reserve(self, end: int) -> None:
+        if end > self.capacity:
+            if not self.growable:
+                raise RuntimeError("FP16 region overflow: the cache state machine is inconsistent")
+            grown = self.buf.new_zeros((*self.buf.shape[:2], max(end, 2 * self.capacity, 16), self.buf.shape[3]))
+            grown[:, :, : self.capacity] = self.buf
+            self.buf = grown
+
     def append(self, b: int, x: torch.Tensor) -> None:
         """x [H, n, D] -> after the tokens of sequence b."""
         n, start = x.shape[1], self.lens[b]
-        if start + n > self.capacity:
-            if not self.growable:
-                raise RuntimeError("FP16 region overflow: the cache state machine is inconsistent")
-            new_cap = max(start + n, 2 * self.capacity, 16)
-            grown = self.buf.new_zeros((*self.buf.shape[:2], new_cap, self.buf.shape[3]))
-            grown[:, :, : self.capacity] = self.buf
-            self.buf = grown
+        self._reserve(start + n)
         self.buf[b, :, start : start + n] = x
         self.lens[b] = start + n
+
+    def append_all(self, x: torch.Tensor) -> None:
+        """x [B, H, n, D] -> after the tokens of every sequence (all sequences hold the same count)."""
+        n, start = x.shape[2], self.lens[0]
+        if n:
+            self._reserve(start + n)
+            self.buf[:, :, start : start + n] = x
+            self.lens = [start + n] * len(self.lens)
 
     def tokens(self, b: int) -> torch.Tensor:
         return self.buf[b, :, : self.lens[b]]
 
+    def tokens_all(self) -> torch.Tensor:
+        """[B, H, n, D] when every sequence holds the same count n."""
+        return self.buf[:, :, : self.lens[0]]
+
     def clear(self, b: int) -> None:
         self.lens[b] = 0
+
+    def clear_all(self) -> None:
+        self.lens = [0] * len(self.lens)
 
     def nbytes(self) -> int:
         return sum(self.lens) * self.buf.shape[1] * self.buf.shape[3] * self.buf.element_size()
@@ -92,6 +109,19 @@ class PagePool:
         self.table: list[list[int]] = [[] for _ in range(batch)]
 
     def add(self, b: int, pages: KeyPages | ValuePages) -> None:
+        self._store(pages)
+        n = next(iter(vars(pages).values())).shape[0]
+        self.table[b].extend(range(self.count - n, self.count))
+
+    def add_all(self, pages: KeyPages | ValuePages) -> None:
+        """pages [B * n, ...], sequence-major: n new pages for every sequence."""
+        self._store(pages)
+        per = next(iter(vars(pages).values())).shape[0] // len(self.table)
+        first = self.count - per * len(self.table)
+        for b, ids in enumerate(self.table):
+            ids.extend(range(first + b * per, first + (b + 1) * per))
+
+    def _store(self, pages: KeyPages | ValuePages) -> None:
         n = next(iter(vars(pages).values())).shape[0]
         if self.store is None:
             self.store = {f.name: getattr(pages, f.name).new_zeros((0, *getattr(pages, f.name).shape[1:]))
@@ -105,7 +135,6 @@ class PagePool:
                 self.store[name] = grown
         for f in fields(pages):
             self.store[f.name][self.count : self.count + n] = getattr(pages, f.name)
-        self.table[b].extend(range(self.count, self.count + n))
         self.count += n
 
     def pages(self, b: int, first: int = 0) -> KeyPages | ValuePages | None:
@@ -198,6 +227,7 @@ class KittyLayer(CacheLayerMixin):
         self.v_pages = PagePool(ValuePages, b)
         self._view_k = self._view_v = None  # dense view for the reference engine, see dense_history
         self._clean = [0] * b
+        self._tables = None  # device page tables for kernels, rebuilt when pages are added
         # running sum of squared queries per sequence, KV head and channel (for selection="qk")
         self.q_energy = torch.zeros((b, h, d), dtype=torch.float32, device=self.device)
         self.q_count = torch.zeros((b, 1, 1), dtype=torch.float32, device=self.device)
@@ -241,16 +271,28 @@ class KittyLayer(CacheLayerMixin):
 
     def insert(self, key_new: torch.Tensor, value_new: torch.Tensor, pack: bool = True) -> None:
         """Store new tokens [B, H, t, D] (pads of a first call skipped). With pack=False (one decode
-        token) a buffer may be left full, for `pack_full()` after attention."""
-        for b in range(self.batch):
-            skip = self.pad[b] if self.seen == 0 else 0
-            self._insert(b, key_new[b, :, skip:], value_new[b, :, skip:], pack)
+        token) a buffer may be left full, for `pack_full()` after attention.
+
+        A batch without padding keeps every sequence in the same state: it is stored with whole-batch
+        tensor operations (one page per sequence packed in one call); a padded batch goes sequence by
+        sequence."""
+        if not any(self.pad):
+            self._insert_all(key_new, value_new, pack)
+        else:
+            for b in range(self.batch):
+                skip = self.pad[b] if self.seen == 0 else 0
+                self._insert(b, key_new[b, :, skip:], value_new[b, :, skip:], pack)
         self.seen += key_new.shape[2]
 
     def pack_full(self) -> None:
         """Pack every key q-buffer that holds G tokens, and the oldest G values of every full window."""
         c = self.config
         if not c.quantize:
+            return
+        if not any(self.pad):
+            if self.k_buffer.lens[0] >= c.group_size or self.v_window.lens[0] >= c.local_window + c.group_size:
+                nothing = self.k_buffer.buf[:, :, :0]
+                self._insert_all(nothing, nothing, pack=True)
             return
         for b in range(self.batch):
             if self.k_buffer.lens[b] >= c.group_size or self.v_window.lens[b] >= c.local_window + c.group_size:
@@ -308,31 +350,94 @@ class KittyLayer(CacheLayerMixin):
             self.v_pages.add(b, self.engine.quantize_values(pages, c.value_bits))
         self.v_window.append(b, window[:, full:])
 
+    def _insert_all(self, k: torch.Tensor, v: torch.Tensor, pack: bool = True) -> None:
+        """`_insert` for every sequence at once: k, v [B, H, n, D], all sequences in the same state."""
+        c = self.config
+        take = min(self.k_sink.room(0), k.shape[2])
+        if take:
+            self.k_sink.append_all(k[:, :, :take])
+            self.v_sink.append_all(v[:, :, :take])
+            k, v = k[:, :, take:], v[:, :, take:]
+        if not c.quantize:
+            return
+        if not pack:
+            self.k_buffer.append_all(k)
+            self.v_window.append_all(v)
+            return
+        g, bsz, h, d = c.group_size, self.batch, self.heads, self.head_dim
+        if self.k_buffer.lens[0]:
+            k = torch.cat([self.k_buffer.tokens_all(), k], dim=2)
+            self.k_buffer.clear_all()
+        full = k.shape[2] // g * g
+        if full:
+            self._dirty_all(self.k_sink.lens[0] + len(self.k_pages.table[0]) * g)
+            pages = k[:, :, :full].reshape(bsz, h, -1, g, d).transpose(1, 2).reshape(-1, h, g, d)  # [B * N, H, G, D]
+            rms = self._query_rms_all(full // g)
+            self.k_pages.add_all(self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator, rms))
+        self.k_buffer.append_all(k[:, :, full:])
+        window = torch.cat([self.v_window.tokens_all(), v], dim=2)
+        self.v_window.clear_all()
+        full = max(window.shape[2] - c.local_window, 0) // g * g
+        if full:
+            self._dirty_all(self.v_sink.lens[0] + len(self.v_pages.table[0]) * g)
+            pages = window[:, :, :full].reshape(bsz, h, -1, g, d).transpose(1, 2).reshape(-1, h, g, d)
+            self.v_pages.add_all(self.engine.quantize_values(pages, c.value_bits))
+        self.v_window.append_all(window[:, :, full:])
+
+    def _query_rms_all(self, pages_per_sequence: int) -> torch.Tensor | None:
+        if self.config.selection != "qk":
+            return None
+        rms = (self.q_energy / self.q_count.clamp_min(1)).sqrt()  # [B, H, D]
+        return rms.repeat_interleave(pages_per_sequence, dim=0)
+
+    def _dirty_all(self, token: int) -> None:
+        self._clean = [min(c, token) for c in self._clean]
+
+    def drop_dense_view(self) -> None:
+        """Free the reference engine's dense working view (rebuilt from the packed state on demand)."""
+        self._view_k = self._view_v = None
+        self._clean = [0] * self.batch
+
     def kernel_state(self) -> dict:
         """What a decode kernel reads: FP16 regions, page pools, page tables and per-sequence counts."""
         c, dev = self.config, self.device
-        lens = [self.tokens(b) for b in range(self.batch)]
-        slots = max(-(-max(n - c.sink, 0) // c.group_size) for n in lens)
-        def table(pool):
-            t = torch.zeros((self.batch, max(slots, 1)), dtype=torch.int32)
-            for b, ids in enumerate(pool.table):
-                t[b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-            return t.to(dev)
+        lens = [self.seen] if not any(self.pad) else [self.tokens(b) for b in range(self.batch)]
+        slots = -(-max(max(lens) - c.sink, 0) // c.group_size)
+        version = (self.k_pages.count, self.v_pages.count)
+        if self._tables is None or self._tables[0] != version:
+            self._tables = (version, self._page_tables())
+        tables = self._tables[1]
+        lens_t = (torch.full((self.batch,), lens[0], dtype=torch.int32, device=dev) if not any(self.pad)
+                  else torch.tensor(lens, dtype=torch.int32, device=dev))
         def store(pool, kind):
             if pool.store is not None:
                 return pool.store
             x = torch.zeros((1, self.heads, c.group_size, self.head_dim), device=dev)  # a stand-in page
             pages = quantize_keys(x, self.n_boost) if kind == "k" else quantize_values(x, c.value_bits)
             return {f.name: getattr(pages, f.name) for f in fields(pages)}
-        count = lambda pool: torch.tensor([len(t) for t in pool.table], dtype=torch.int32, device=dev)  # noqa: E731
         return {
-            "lens": torch.tensor(lens, dtype=torch.int32, device=dev), "max_slots": slots,
-            "n_kpages": count(self.k_pages), "n_vpages": count(self.v_pages),
-            "k_table": table(self.k_pages), "v_table": table(self.v_pages),
+            "lens": lens_t, "max_slots": slots, **tables,
             "k_pages": store(self.k_pages, "k"), "v_pages": store(self.v_pages, "v"),
             "k_sink": self.k_sink.buf, "v_sink": self.v_sink.buf,
             "k_buffer": self.k_buffer.buf, "v_window": self.v_window.buf,
         }
+
+    def _page_tables(self) -> dict:
+        """Device page tables [B, slots] and page counts [B] of both pools (a slot beyond the pages of a
+        sequence holds 0; kernels never read it)."""
+        dev = self.device
+        slots = max(1, max(len(t) for t in self.k_pages.table))
+        def table(pool):
+            t = torch.zeros((self.batch, slots), dtype=torch.int32)
+            if pool.count and not any(self.pad):
+                t[:, : len(pool.table[0])] = torch.tensor(pool.table, dtype=torch.int32)
+            else:
+                for b, ids in enumerate(pool.table):
+                    t[b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+            return t.to(dev)
+        count = lambda pool: torch.tensor([len(t) for t in pool.table], dtype=torch.int32, device=dev)  # noqa: E731
+        return {"n_kpages": count(self.k_pages), "n_vpages": count(self.v_pages),
+                "k_table": table(self.k_pages), "v_table": table(self.v_pages)}
 
     def sequence_history(self, b: int, dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [H, n_b - start, D] of sequence b from token `start` on, as attention sees

@@ -190,3 +190,29 @@ def test_dense_view_matches_a_rebuild_from_the_packed_state():
             hk, hv = layer.sequence_history(b, torch.float32)  # from scratch
             assert torch.equal(k[b, :, layer.pad[b]:], hk) and torch.equal(v[b, :, layer.pad[b]:], hv)
             assert not k[b, :, : layer.pad[b]].any()
+
+
+@pytest.mark.parametrize("spec", ["kitty-pro", "kivi-k2v2+local_window=0", "k2v4-sink+group_size=8+local_window=4"])
+def test_whole_batch_path_equals_sequence_by_sequence(spec):
+    """A batch without padding is stored with whole-batch operations; it must hold exactly what the
+    sequence-by-sequence path stores: same pages, same FP16 parts, same bytes."""
+    torch.manual_seed(0)
+    fast, slow = (KittyLayer(parse_method(spec + "+sink=5+group_size=16"), ReferenceEngine()) for _ in range(2))
+    b, h, d = 3, 2, 16
+    for layer in (fast, slow):
+        layer.lazy_initialization(torch.zeros(b, h, 0, d), torch.zeros(b, h, 0, d))
+    for t, pack in [(37, True), (1, True), (20, True), (1, False), (1, False)]:
+        k, v = torch.randn(b, h, t, d), torch.randn(b, h, t, d)
+        fast.insert(k, v, pack=pack)
+        for i in range(b):
+            slow._insert(i, k[i], v[i], pack)
+        slow.seen += t
+    fast.pack_full()
+    for i in range(b):
+        slow._insert(i, k[i, :, :0], v[i, :, :0], True)
+    assert fast.nbytes() == slow.nbytes()
+    for i in range(b):
+        for x, y in zip(fast.sequence_history(i, torch.float32), slow.sequence_history(i, torch.float32)):
+            assert torch.equal(x, y)
+    state = fast.kernel_state()
+    assert state["k_table"].tolist() == [ids + [0] * (state["k_table"].shape[1] - len(ids)) for ids in slow.k_pages.table]
