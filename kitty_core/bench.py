@@ -1,7 +1,13 @@
 """Benchmarks (scripts, not tests). Every speed figure is a ratio measured in one run against a
-baseline of the same shape, with the bandwidth it implies next to a device-to-device copy.
+baseline of the same shape.
 
     python -m kitty_core.bench kernels --shapes 64x8192,8x32768,1x131072 --boost 0,0.125,0.25
+    python -m kitty_core.bench e2e --model random:qwen3-8b --prompt 512 --generate 8192 --out e2e.json
+
+`kernels`: decode attention alone (fused, unfused, SDPA on FP16), with the bandwidth it implies next
+to a device-to-device copy. `e2e`: a whole model generating (`kitty_core.throughput`): per cache the
+largest batch that fits, peak memory, prefill time and decode throughput at that batch and at an
+equal batch.
 """
 
 from __future__ import annotations
@@ -131,6 +137,75 @@ def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.
     return pd.DataFrame(rows)
 
 
+def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
+    """Per cache: max batch, peak memory, throughput at max and at equal batch, and ratios against
+    the transformers caches and the same-runtime FP16 baseline."""
+    ok = points[points.get("tokens_per_s").notna()] if "tokens_per_s" in points else points.iloc[:0]
+    rows = []
+    for cache, g in ok.groupby("cache", sort=False):
+        at_max, at_eq = g[g["at"] == "max batch"], g[g["at"] == "equal batch"]
+        rows.append({
+            "cache": cache, "max_batch": int(g["max_batch"].iloc[0]),
+            "peak_GiB": float(at_max["peak_bytes"].iloc[0]) / 2**30 if len(at_max) and at_max["peak_bytes"].notna().all() else None,
+            "kv_bytes_per_token": float(at_max["kv_bytes_per_token"].iloc[0]) if len(at_max) else None,
+            "tokens_per_s_max_batch": float(at_max["tokens_per_s"].iloc[0]) if len(at_max) else None,
+            "equal_batch": int(at_eq["batch"].iloc[0]) if len(at_eq) else (int(at_max["batch"].iloc[0]) if len(at_max) else None),
+            "tokens_per_s_equal_batch": float(at_eq["tokens_per_s"].iloc[0]) if len(at_eq) else (
+                float(at_max["tokens_per_s"].iloc[0]) if len(at_max) else None),
+        })
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table
+    t = table.set_index("cache")
+    for ref in ("dynamic", "static", "fp16-prealloc"):
+        if ref in t.index:
+            t[f"batch_vs_{ref}"] = t["max_batch"] / t.loc[ref, "max_batch"]
+            t[f"tput_vs_{ref}"] = t["tokens_per_s_max_batch"] / t.loc[ref, "tokens_per_s_max_batch"]
+            t[f"equal_batch_vs_{ref}"] = t["tokens_per_s_equal_batch"] / t.loc[ref, "tokens_per_s_equal_batch"]
+    return t.reset_index()
+
+
+def run_e2e(a) -> int:
+    import platform
+
+    import transformers
+
+    from .models import ModelLoadError, load_model
+    from .throughput import sweep, validate
+
+    try:
+        lm = load_model(a.model, device=a.device, dtype=a.dtype)
+    except ModelLoadError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    caches = [c.strip() for c in a.caches.split(",") if c.strip()]
+    budget = int(a.budget_gib * 2**30) if a.budget_gib else None
+    probes, points, skipped = [], [], []
+    for what, row in sweep(lm.model, caches, a.prompt, a.generate, a.equal_batch, budget, a.points, a.start):
+        {"probe": probes, "point": points, "skip": skipped}[what].append(row)
+        brief = {k: v for k, v in row.items() if not k.startswith("step_ms")}
+        print(what, json.dumps(brief, default=float), flush=True)
+    points_df = pd.DataFrame(points)
+    table = e2e_table(points_df)
+    print(table.to_string(index=False, float_format=lambda x: f"{x:.2f}"), flush=True)
+    checks = []
+    for spec in filter(None, a.validate.split(",")):
+        cache, batch, gen = spec.split(":")
+        checks.append(validate(lm.model, cache, int(batch), a.prompt, int(gen), a.points))
+        print("validate", json.dumps(checks[-1], default=float), flush=True)
+    if a.out:
+        settings = {"model": lm.name, "shape": lm.shape, "device": str(lm.device),
+                    "gpu": torch.cuda.get_device_name() if lm.device.type == "cuda" else platform.processor(),
+                    "dtype": str(lm.dtype).removeprefix("torch."), "torch": torch.__version__,
+                    "transformers": transformers.__version__, "prompt": a.prompt, "generate": a.generate,
+                    "budget_gib": a.budget_gib, "points": a.points, "caches": caches}
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps({"settings": settings, "summary": table.to_dict(orient="records"),
+                                     "points": points, "probes": probes, "skipped": skipped,
+                                     "validation": checks}, indent=1, default=float))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kitty_core.bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -140,7 +215,22 @@ def main(argv=None) -> int:
     k.add_argument("--out", type=Path, default=None, help="CSV or JSON file")
     k.add_argument("--sweep", action="store_true", help="instead: time launch settings of the fused kernel")
     k.add_argument("--ablate", action="store_true", help="instead: time diagnostic variants of the fused kernel")
+    e = sub.add_parser("e2e", help="a whole model generating: max batch, memory, throughput per cache")
+    e.add_argument("--model", default="random:qwen3-8b", help="demo | hub id | path | random:qwen3-8b ...")
+    e.add_argument("--device", default=None)
+    e.add_argument("--dtype", default=None)
+    e.add_argument("--caches", default="dynamic,static,quantized,fp16-prealloc,kivi-k2v2,kitty,kitty-pro")
+    e.add_argument("--prompt", type=int, default=512)
+    e.add_argument("--generate", type=int, default=8192)
+    e.add_argument("--equal-batch", type=int, default=64, help="also measure every cache at this batch")
+    e.add_argument("--budget-gib", type=float, default=None, help="cache bytes allowed (default: until OOM)")
+    e.add_argument("--points", type=int, default=4, help="cache lengths at which decode steps are timed")
+    e.add_argument("--start", type=int, default=8, help="first batch size of the doubling")
+    e.add_argument("--validate", default="", help="CACHE:BATCH:TOKENS,... real generations to check the estimate")
+    e.add_argument("--out", type=Path, default=None, help="JSON file")
     a = p.parse_args(argv)
+    if a.what == "e2e":
+        return run_e2e(a)
     if not torch.cuda.is_available():
         print("error: the kernel benchmark needs a CUDA GPU", file=sys.stderr)
         return 2

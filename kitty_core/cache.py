@@ -145,6 +145,11 @@ class PagePool:
         index = torch.tensor(ids, device=next(iter(self.store.values())).device)
         return self.kind(**{name: t.index_select(0, index) for name, t in self.store.items()})
 
+    def reserve(self, template: KeyPages | ValuePages, pages: int) -> None:
+        """Allocate room for `pages` pages shaped like `template` up front (no doubling later)."""
+        self.store = {f.name: getattr(template, f.name).new_zeros((pages, *getattr(template, f.name).shape[1:]))
+                      for f in fields(template)}
+
     def nbytes(self) -> dict[str, int]:
         """Bytes of the stored pages, per field."""
         if self.store is None:
@@ -197,11 +202,12 @@ class KittyLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, config: KittyConfig, engine, layer_idx: int = 0):
+    def __init__(self, config: KittyConfig, engine, layer_idx: int = 0, max_length: int | None = None):
         super().__init__()
         self.config = config
         self.engine = engine
         self.layer_idx = layer_idx
+        self.max_length = max_length  # tokens per sequence to reserve page pools for (None: grow on demand)
         self.seen = 0  # tokens seen per sequence in the padded layout (pads included)
         self.generator = torch.Generator().manual_seed(config.seed * 100_003 + layer_idx)
 
@@ -225,6 +231,11 @@ class KittyLayer(CacheLayerMixin):
             self.v_window = mk(c.local_window + c.group_size)
         self.k_pages = PagePool(KeyPages, b)
         self.v_pages = PagePool(ValuePages, b)
+        if c.quantize and self.max_length:
+            pages = b * max(0, self.max_length - c.sink) // c.group_size
+            x = torch.zeros((1, h, c.group_size, d), device=self.device)
+            self.k_pages.reserve(quantize_keys(x, self.n_boost), pages)
+            self.v_pages.reserve(quantize_values(x, c.value_bits), pages)
         self._view_k = self._view_v = None  # dense view for the reference engine, see dense_history
         self._clean = [0] * b
         self._tables = None  # device page tables for kernels, rebuilt when pages are added
@@ -541,14 +552,17 @@ class KittyCache(Cache):
     `model.generate(..., past_key_values=cache)`. Building one switches the model's attention to the
     `kitty` implementation (SDPA for everything that is not a KittyCache)."""
 
-    def __init__(self, model, method: str | KittyConfig = "kitty", engine: str | None = None):
+    def __init__(self, model, method: str | KittyConfig = "kitty", engine: str | None = None,
+                 max_length: int | None = None):
+        """`max_length` (tokens per sequence, prompt included): reserve the page pools up front, so
+        that memory use is known from the first step and pools never grow by doubling."""
         self.config = parse_method(method)
         if engine is None:
             engine = "triton" if _on_cuda(model) and "triton" in available_engines() else "reference"
         self.engine = make_engine(engine)
         enable_kitty_attention(model)
         n = num_attention_layers(model.config)
-        super().__init__(layers=[KittyLayer(self.config, self.engine, i) for i in range(n)])
+        super().__init__(layers=[KittyLayer(self.config, self.engine, i, max_length) for i in range(n)])
 
     def memory_report(self) -> pd.DataFrame:
         """Stored bytes by part, summed over layers, with bytes per real token."""

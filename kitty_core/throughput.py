@@ -1,0 +1,365 @@
+"""End-to-end memory and throughput of KV caches on one model: how large a batch fits, and how fast
+it generates (the paper's Figure 5).
+
+A point is one (cache, batch size). Its decode speed is measured on a cache filled to a few lengths
+between the prompt and the end of the generation, and integrated over the generation length (a full
+8K-token generation at every batch size would take hours); `validate` runs one real generation to
+check that estimate. The largest batch is found by doubling until the GPU runs out of memory (or a
+memory budget is exceeded), then bisecting to within 10%. Caches:
+
+    dynamic         transformers DynamicCache (FP16/bf16, grows by concatenation)
+    static          transformers StaticCache (preallocated to the full length)
+    quantized       transformers QuantizedCache, 2-bit quanto backend (when optimum-quanto is installed)
+    fp16-prealloc   this library's FP16 baseline: preallocated per layer, SDPA on the filled prefix
+                    only (no mask over empty slots), the decode loop of the Kitty caches
+    <method>        a KittyCache preset (`kivi-k2v2`, `kitty`, `kitty-pro`, ...)
+
+Cache bytes are those of the cache's tensors as allocated (reserved pools included); the reference
+engine's dense FP16 working view (CPU) is reported apart, as `working_view_bytes`. The filled tokens are random (keys with uneven channel scales, like real ones): speed and memory do
+not depend on their values. Prefill time is measured on a real prompt of random token ids.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, QuantizedCache, StaticCache
+
+from .cache import KittyCache, KittyLayer
+from .config import parse_method
+from .hf import num_attention_layers
+
+BASELINES = ("dynamic", "static", "quantized", "fp16-prealloc")
+
+
+class CacheUnavailable(RuntimeError):
+    """The cache cannot be built here (a missing optional backend)."""
+
+
+class PreallocatedLayer(CacheLayerMixin):
+    """FP16 keys and values preallocated to `max_length`; attention sees only the filled prefix."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, max_length: int):
+        super().__init__()
+        self.max_length = max_length
+        self.seen = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        b, h, _, d = key_states.shape
+        self.keys = key_states.new_zeros((b, h, self.max_length, d))
+        self.values = value_states.new_zeros((b, h, self.max_length, d))
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        t = key_states.shape[2]
+        if self.seen + t > self.max_length:
+            raise ValueError(f"the cache holds {self.max_length} tokens; {self.seen + t} requested")
+        self.keys[:, :, self.seen : self.seen + t] = key_states
+        self.values[:, :, self.seen : self.seen + t] = value_states
+        self.seen += t
+        return self.keys[:, :, : self.seen], self.values[:, :, : self.seen]
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.max_length
+
+
+def make_cache(kind: str, model, max_length: int) -> Cache:
+    """A fresh, empty cache of one of the kinds above for `model`, sized for `max_length` tokens."""
+    config = model.config
+    if kind == "dynamic":
+        return DynamicCache(config=config)
+    if kind == "static":
+        return StaticCache(config=config, max_cache_len=max_length)
+    if kind == "quantized":
+        try:
+            return QuantizedCache(backend="quanto", config=config, nbits=2)
+        except ImportError as err:
+            raise CacheUnavailable(f"transformers' QuantizedCache needs a backend: {err}") from err
+    if kind == "fp16-prealloc":
+        return Cache(layers=[PreallocatedLayer(max_length) for _ in range(num_attention_layers(config))])
+    return KittyCache(model, kind, max_length=max_length)
+
+
+def _kv_shape(model) -> tuple[int, int, torch.dtype, torch.device]:
+    text = model.config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    p = next(model.parameters())
+    return heads, dim, p.dtype, p.device
+
+
+@torch.inference_mode()
+def fill(cache: Cache, model, batch: int, tokens: int, chunk: int = 1024) -> None:
+    """Append `tokens` random tokens per sequence to every layer of the cache, in chunks."""
+    heads, dim, dtype, device = _kv_shape(model)
+    spread = torch.linspace(0.2, 4.0, dim, device=device, dtype=dtype)
+    done = 0
+    while done < tokens:
+        n = min(chunk, tokens - done)
+        k = torch.randn(batch, heads, n, dim, device=device, dtype=dtype) * spread
+        v = torch.randn_like(k)
+        for i, layer in enumerate(cache.layers):
+            if isinstance(layer, KittyLayer):
+                if not layer.is_initialized:
+                    layer.lazy_initialization(k, v)
+                layer.insert(k, v)
+            else:
+                cache.update(k, v, i)
+        done += n
+        del k, v
+
+
+@torch.inference_mode()
+def decode_step(model, cache: Cache, batch: int) -> None:
+    """One decode step of the model for every sequence (token id 1: the value does not matter)."""
+    ids = torch.ones((batch, 1), dtype=torch.long, device=next(model.parameters()).device)
+    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn) -> float:
+    """Seconds of fn(), GPU work included."""
+    _sync()
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - t0
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+WORKING_VIEWS = ("_view_k", "_view_v")  # the reference engine's dense FP16 working copy (cache.py)
+
+
+def cache_bytes(cache: Cache, views: bool = False) -> int:
+    """Bytes of every tensor the cache's layers hold (allocated, not just used), found by walking them.
+    The reference engine's dense working view is left out, or counted alone with views=True."""
+    seen, total = set(), 0
+
+    def walk(x, depth=0):
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            key = (x.untyped_storage().data_ptr(), x.device)
+            if key not in seen:
+                seen.add(key)
+                total += x.untyped_storage().nbytes()
+        elif depth < 4 and isinstance(x, dict):
+            for v in x.values():
+                walk(v, depth + 1)
+        elif depth < 4 and isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v, depth + 1)
+        elif depth < 4 and hasattr(x, "__dict__") and not isinstance(x, (torch.nn.Module, type)):
+            for name, v in vars(x).items():
+                if name not in ("engine", "generator", "config") and (name in WORKING_VIEWS) == views:
+                    walk(v, depth + 1)
+
+    for layer in cache.layers:
+        if views:
+            for name in WORKING_VIEWS:
+                walk(getattr(layer, name, None))
+        else:
+            walk(layer)
+    return total
+
+
+def fits(model, kind: str, batch: int, length: int, budget_bytes: int | None = None) -> tuple[bool, dict]:
+    """Can `batch` sequences of `length` tokens be held and decoded? (ok, measurements). Out of memory
+    (or more cache bytes than `budget_bytes`) is caught and released."""
+    _free()
+    base = allocated()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    cache = None
+    try:
+        cache = make_cache(kind, model, length)
+        fill(cache, model, batch, length - 1)
+        if budget_bytes is not None and cache_bytes(cache) > budget_bytes:
+            return False, {"kv_bytes": cache_bytes(cache), "reason": "over budget"}
+        decode_step(model, cache, batch)
+        _sync()
+        kv = cache_bytes(cache)
+        if budget_bytes is not None and kv > budget_bytes:
+            return False, {"kv_bytes": kv, "reason": "over budget"}
+        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else base + kv
+        return True, {"kv_bytes": kv, "kv_bytes_allocated": allocated() - base, "peak_bytes": peak}
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if not _is_oom(err):
+            raise
+        return False, {"reason": "out of memory"}
+    finally:
+        del cache
+        _free()
+
+
+def search(model, kind: str, length: int, start: int = 1, limit: int = 1 << 14, budget_bytes: int | None = None,
+           stop: Callable[[], bool] | None = None):
+    """Largest batch of `length`-token sequences that fits: doubling from `start`, then bisection to
+    within 10% (or 1). A generator: yields each probe's row as it completes, returns
+    (max batch, first batch that failed or None)."""
+    lo, hi, b = 0, None, start
+    while b <= limit and not (stop and stop()):
+        ok, info = fits(model, kind, b, length, budget_bytes)
+        yield {"cache": kind, "batch": b, "fits": ok, **info}
+        if not ok:
+            hi = b
+            break
+        lo, b = b, b * 2
+    while hi is not None and lo and hi - lo > max(1, lo // 10) and not (stop and stop()):
+        mid = (lo + hi) // 2
+        ok, info = fits(model, kind, mid, length, budget_bytes)
+        yield {"cache": kind, "batch": mid, "fits": ok, **info}
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return lo, hi
+
+
+def max_batch(model, kind: str, length: int, **kwargs) -> dict:
+    """`search` run to the end: {"max_batch", "first_fail", "probes"}."""
+    gen, probes = search(model, kind, length, **kwargs), []
+    while True:
+        try:
+            probes.append(next(gen))
+        except StopIteration as done:
+            lo, hi = done.value
+            return {"max_batch": lo, "first_fail": hi, "probes": probes}
+
+
+@torch.inference_mode()
+def measure(model, kind: str, batch: int, prompt: int, generate: int, points: int = 4, steps: int = 3,
+            prefill_chunk: int = 512) -> dict:
+    """Prefill time (real forward on random ids), decode step time at `points` cache lengths from
+    the prompt to the end of the generation, their integral over the generation, peak memory."""
+    _free()
+    device = next(model.parameters()).device
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    base = allocated()
+    cache = make_cache(kind, model, prompt + generate + points * (steps + 1) + 1)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (batch, prompt), device=device)
+
+    def prefill():
+        for s in range(0, prompt, prefill_chunk):
+            model(input_ids=ids[:, s : s + prefill_chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    prefill_s = _timed(prefill)
+    lengths = [prompt + round(i * generate / max(points - 1, 1)) for i in range(points)]
+    step_ms = []
+    for n in lengths:
+        grow = n - cache.get_seq_length()
+        if grow > 0:
+            fill(cache, model, batch, grow)
+        decode_step(model, cache, batch)  # warm-up at this length
+        times = [_timed(lambda: decode_step(model, cache, batch)) for _ in range(steps)]
+        step_ms.append(1e3 * sorted(times)[len(times) // 2])
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    kv, view = cache_bytes(cache), cache_bytes(cache, views=True)
+    tokens_held = int(cache.get_seq_length())
+    del cache
+    _free()
+    decode_s = integrate(lengths, step_ms, prompt, prompt + generate) / 1e3
+    return {"cache": kind, "batch": batch, "prompt": prompt, "generate": generate, "prefill_s": prefill_s,
+            "decode_s": decode_s, "tokens_per_s": batch * generate / (prefill_s + decode_s),
+            "decode_tokens_per_s": batch * generate / decode_s, "peak_bytes": peak, "base_bytes": base,
+            "kv_bytes": kv, "kv_bytes_per_token": kv / (batch * tokens_held), "working_view_bytes": view,
+            **{f"step_ms@{n}": ms for n, ms in zip(lengths, step_ms)}}
+
+
+def integrate(lengths, step_ms, start: int, end: int) -> float:
+    """Milliseconds to decode every token from cache length `start` to `end`: the trapezoid rule over
+    the measured (length, step time) points, the last step time held beyond the last point."""
+    total = 0.0
+    for (a, ta), (b, tb) in zip(zip(lengths, step_ms), zip(lengths[1:], step_ms[1:])):
+        total += (b - a) * (ta + tb) / 2
+    return total + max(end - lengths[-1], 0) * step_ms[-1] + max(lengths[0] - start, 0) * step_ms[0]
+
+
+@torch.inference_mode()
+def validate(model, kind: str, batch: int, prompt: int, generate: int, points: int = 4) -> dict:
+    """One real generation of `generate` tokens against the integrated estimate of `measure`."""
+    estimate = measure(model, kind, batch, prompt, generate, points)
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, prompt), device=device)
+    cache = make_cache(kind, model, prompt + generate + 1)
+
+    def run():
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for _ in range(generate):
+            decode_step(model, cache, batch)
+
+    real_s = _timed(run)
+    del cache
+    _free()
+    est_s = estimate["prefill_s"] + estimate["decode_s"]
+    return {"cache": kind, "batch": batch, "prompt": prompt, "generate": generate, "measured_s": real_s,
+            "estimated_s": est_s, "estimate_error": est_s / real_s - 1}
+
+
+def sweep(model, caches, prompt: int, generate: int, equal_batch: int | None = None, budget_bytes: int | None = None,
+          points: int = 4, start: int = 1, limit: int = 1 << 14,
+          stop: Callable[[], bool] | None = None) -> Iterator[tuple[str, dict]]:
+    """Per cache: the max-batch search, then `measure` at the max batch (and at `equal_batch`).
+    Yields ("probe", row), ("point", row) or ("skip", row) as each completes, so a caller can chart
+    them live; `stop()` ends the sweep between steps. An out-of-memory while measuring is a row too."""
+    length = prompt + generate
+    for kind in caches:
+        if stop and stop():
+            return
+        if kind not in BASELINES:
+            parse_method(kind)  # a clear error for an unknown method before any work
+        gen = search(model, kind, length, start, limit, budget_bytes, stop)
+        try:
+            while True:
+                yield "probe", next(gen)
+        except StopIteration as done:
+            best = done.value[0]
+        except CacheUnavailable as err:
+            yield "skip", {"cache": kind, "reason": str(err)}
+            continue
+        batches = [best] if best else []
+        if equal_batch and equal_batch not in batches:
+            batches.append(equal_batch)
+        for b in batches:
+            if stop and stop():
+                return
+            try:
+                row = measure(model, kind, b, prompt, generate, points)
+            except (torch.OutOfMemoryError, RuntimeError) as err:
+                if not _is_oom(err):
+                    raise
+                _free()
+                row = {"cache": kind, "batch": b, "reason": "out of memory"}
+            row["at"] = "max batch" if b == best else "equal batch"
+            row["max_batch"] = best
+            yield "point", row
+
