@@ -180,29 +180,32 @@ def run_e2e(a) -> int:
         return 2
     caches = [c.strip() for c in a.caches.split(",") if c.strip()]
     budget = int(a.budget_gib * 2**30) if a.budget_gib else None
-    probes, points, skipped = [], [], []
+    probes, points, skipped, checks = [], [], [], []
+    settings = {"model": lm.name, "shape": lm.shape, "device": str(lm.device),
+                "gpu": torch.cuda.get_device_name() if lm.device.type == "cuda" else platform.processor(),
+                "dtype": str(lm.dtype).removeprefix("torch."), "torch": torch.__version__,
+                "transformers": transformers.__version__, "prompt": a.prompt, "generate": a.generate,
+                "budget_gib": a.budget_gib, "points": a.points, "caches": caches}
+
+    def save():  # after every row, so that an interrupted run keeps what it measured
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps({"settings": settings, "summary": e2e_table(pd.DataFrame(points)).to_dict(
+                orient="records"), "points": points, "probes": probes, "skipped": skipped, "validation": checks},
+                indent=1, default=float))
+
     for what, row in sweep(lm.model, caches, a.prompt, a.generate, a.equal_batch, budget, a.points, a.start):
         {"probe": probes, "point": points, "skip": skipped}[what].append(row)
         brief = {k: v for k, v in row.items() if not k.startswith("step_ms")}
         print(what, json.dumps(brief, default=float), flush=True)
-    points_df = pd.DataFrame(points)
-    table = e2e_table(points_df)
+        save()
+    table = e2e_table(pd.DataFrame(points))
     print(table.to_string(index=False, float_format=lambda x: f"{x:.2f}"), flush=True)
-    checks = []
     for spec in filter(None, a.validate.split(",")):
         cache, batch, gen = spec.split(":")
         checks.append(validate(lm.model, cache, int(batch), a.prompt, int(gen), a.points))
         print("validate", json.dumps(checks[-1], default=float), flush=True)
-    if a.out:
-        settings = {"model": lm.name, "shape": lm.shape, "device": str(lm.device),
-                    "gpu": torch.cuda.get_device_name() if lm.device.type == "cuda" else platform.processor(),
-                    "dtype": str(lm.dtype).removeprefix("torch."), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "prompt": a.prompt, "generate": a.generate,
-                    "budget_gib": a.budget_gib, "points": a.points, "caches": caches}
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"settings": settings, "summary": table.to_dict(orient="records"),
-                                     "points": points, "probes": probes, "skipped": skipped,
-                                     "validation": checks}, indent=1, default=float))
+        save()
     return 0
 
 

@@ -3,19 +3,41 @@ from FP16, and the per-step KL(FP16 || method) along FP16's own continuation."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pandas as pd
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from .cache import KittyCache
 from .evaluate import continuation_logprobs
 
 
+class _TextCallback(BaseStreamer):
+    """Calls fn(text so far) after each generated token (the prompt, put first, is skipped)."""
+
+    def __init__(self, tokenizer, fn: Callable[[str], None]):
+        self.tokenizer, self.fn, self.tokens, self.prompt_seen = tokenizer, fn, [], False
+
+    def put(self, value):
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.tokens += value.reshape(-1).tolist()
+        self.fn(self.tokenizer.decode(self.tokens, skip_special_tokens=True))
+
+    def end(self):
+        pass
+
+
 @torch.inference_mode()
 def compare_generations(model, tokenizer, prompt: str, methods, max_new_tokens: int = 64,
-                        engine: str | None = None, chat: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
+                        engine: str | None = None, chat: bool = False,
+                        on_text: Callable[[str, str], None] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(texts, kl): one row per method with its text, token ids and first differing position
     (None if it matches FP16 throughout); and per-step KL of each method against FP16.
-    With chat=True the prompt is a user turn in the tokenizer's chat template, if it has one."""
+    With chat=True the prompt is a user turn in the tokenizer's chat template, if it has one.
+    `on_text(method, text so far)` streams each generation as it is produced."""
     if not prompt.strip():
         raise ValueError("the prompt is empty: type a prompt")
     if chat and getattr(tokenizer, "chat_template", None):
@@ -32,7 +54,8 @@ def compare_generations(model, tokenizer, prompt: str, methods, max_new_tokens: 
         raise ValueError(f"the prompt ({n} tokens) plus {max_new_tokens} new tokens exceeds the context of {limit}")
     rows, ref = [], None
     for m in methods:
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+        streamer = _TextCallback(tokenizer, lambda text, m=m: on_text(m, text)) if on_text else None
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer,
                              past_key_values=KittyCache(model, m, engine), pad_token_id=tokenizer.pad_token_id)
         new = out[0, n:].tolist()
         if ref is None:

@@ -66,3 +66,34 @@ def test_boost_rate_page_plots_saved_results_per_rule():
     at = run("pages/3_Boost_rate.py")
     names = {t.get("name") for t in chart(at)["data"]}
     assert {"magnitude", "qk", "random", "range", "presets"} <= names
+
+
+def test_memory_page_charts_saved_runs_and_sweeps_live():
+    at = run("pages/5_Memory_and_throughput.py")
+    saved = chart(at)
+    assert saved["data"][0]["x"]  # max batch per cache of a saved run
+    at.multiselect[0].set_value(["fp16-prealloc", "kitty-pro"])
+    at.number_input[1].set_value(64)  # generated tokens: a short sweep
+    at.button[0].click().run()
+    assert not at.exception, at.exception
+    live = at.session_state["sweep_run"]
+    assert live["done"] and {p["cache"] for p in live["points"]} == {"fp16-prealloc", "kitty-pro"}
+    assert any(not p["fits"] for p in live["probes"])  # the budget ended every doubling
+    at.number_input[0].set_value(100_000)  # a prompt beyond the context
+    at.button[0].click().run()
+    assert not at.exception and "context" in at.error[0].value
+
+
+def test_generations_page_passkey_heatmap_saved_and_live():
+    at = run("pages/4_Generations.py")
+    heat = [c for c in at.get("plotly_chart") if "Passkey" in json.dumps(json.loads(c.proto.spec)["layout"])]
+    assert heat, "the saved passkey heatmap is shown on first visit"
+    at.text_input(key="pk_depths").set_value("0.5")
+    at.text_input(key="pk_lengths").set_value("300")
+    at.button[-1].click().run()
+    assert not at.exception, at.exception
+    spec = json.loads(at.get("plotly_chart")[-1].proto.spec)
+    assert "run here" in json.dumps(spec["layout"]) and spec["data"][0]["z"]
+    at.text_input(key="pk_lengths").set_value("30000")  # beyond the context
+    at.button[-1].click().run()
+    assert not at.exception and any("context" in e.value for e in at.error)

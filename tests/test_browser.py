@@ -100,7 +100,13 @@ PAGES = [
     ("Sensitivity", "sensitivity", lambda p: _set_number(p, "KV head", 1)),
     ("Boost_rate", "boost_rate", lambda p: p.get_by_role("radiogroup", name="Metric").get_by_text("perplexity").click()),
     ("Generations", "generations", lambda p: _set_number(p, "New tokens", 8)),
+    ("Memory_and_throughput", "memory_and_throughput", lambda p: _run_sweep(p)),
 ]
+
+
+def _run_sweep(page) -> None:
+    page.get_by_label("Generated tokens", exact=True).fill("64")
+    page.get_by_role("button", name="Run sweep").click()
 
 
 @pytest.mark.parametrize("path, name, action", PAGES, ids=[p[1] for p in PAGES])

@@ -1,0 +1,113 @@
+"""Memory & throughput: the largest batch each cache fits and how fast it generates (the paper's
+Figure 5), from saved GPU runs or live on the loaded model."""
+
+import json
+
+import pandas as pd
+import plotly.express as px
+import streamlit as st
+
+from kitty_app import DATA, gpu_lock, sidebar
+from kitty_core import PRESETS
+from kitty_core.bench import e2e_table
+from kitty_core.throughput import BASELINES, sweep
+
+frame = sidebar()
+st.title("Memory & throughput")
+st.markdown(
+    "Per cache: batch sizes double until memory runs out, then a bisection finds the largest batch to "
+    "within 10%; at that batch (and at one equal batch for all) decode steps are timed at several cache "
+    "lengths and integrated over the generation. `python -m kitty_core.bench e2e` runs the same sweep."
+)
+
+
+def charts(points: pd.DataFrame, key: str) -> None:
+    table = e2e_table(points)
+    if table.empty:
+        st.info("No completed points yet.")
+        return
+    cols = st.columns(2)
+    fig = px.bar(table, x="cache", y="max_batch", text="max_batch", title="Largest batch that fits")
+    cols[0].plotly_chart(fig, width="stretch", key=f"{key}-batch")
+    long = table.melt(id_vars="cache", value_vars=["tokens_per_s_max_batch", "tokens_per_s_equal_batch"],
+                      var_name="at", value_name="tokens/s")
+    long["at"] = long["at"].map({"tokens_per_s_max_batch": "at its max batch",
+                                 "tokens_per_s_equal_batch": f"at batch {int(table['equal_batch'].iloc[0])}"})
+    fig = px.bar(long, x="cache", y="tokens/s", color="at", barmode="group", title="Generation throughput")
+    cols[1].plotly_chart(fig, width="stretch", key=f"{key}-tput")
+    st.dataframe(table, hide_index=True)
+    st.download_button("Download (CSV)", table.to_csv(index=False), f"{key}.csv", "text/csv", key=f"{key}-csv")
+
+
+saved = sorted((DATA / "results").glob("e2e_*.json"))
+st.subheader("Saved runs")
+if saved:
+    pick = st.selectbox("Result file", saved, format_func=lambda p: p.name,
+                        index=next((i for i, p in enumerate(saved) if "h200" in p.name), 0))
+    run = json.loads(pick.read_text())
+    s = run["settings"]
+    st.caption(f"{s['model']} on {s['gpu'] or s['device']} ({s['dtype']}, torch {s['torch']}, transformers "
+               f"{s['transformers']}), prompt {s['prompt']} + {s['generate']} generated tokens"
+               + (f", cache budget {s['budget_gib']} GiB" if s.get("budget_gib") else ", until out of memory"))
+    charts(pd.DataFrame(run["points"]), "saved")
+    for skip in run.get("skipped", []):
+        st.caption(f"{skip['cache']}: not measured ({skip['reason']})")
+else:
+    st.info("No saved runs in data/results (e2e_*.json).")
+
+st.subheader("Live sweep on the loaded model")
+on_gpu = frame.lm.device.type == "cuda"
+if not on_gpu:
+    st.caption("No GPU: the sweep runs on the CPU with the reference engine, against a cache memory budget "
+               "instead of the GPU's memory. That engine keeps a dense FP16 working view beside the packed "
+               "pages (reported apart); the Triton engine on a GPU reads the pages directly.")
+options = list(BASELINES) + list(PRESETS)
+with st.form("sweep"):
+    cols = st.columns(5)
+    default = list(dict.fromkeys(["fp16-prealloc", "kivi-k2v2", frame.method.split("+")[0]]))
+    caches = cols[0].multiselect("Caches", options, default=default)
+    prompt = int(cols[1].number_input("Prompt tokens", 1, 1 << 20, 512 if on_gpu else 64, 64))
+    generate = int(cols[2].number_input("Generated tokens", 1, 1 << 20, 8192 if on_gpu else 192, 64))
+    budget = cols[3].number_input("Cache budget (GiB, 0 = until out of memory)", 0.0, 4096.0,
+                                  0.0 if on_gpu else 0.03, 0.01, format="%.2f")
+    equal = int(cols[4].number_input("Equal batch for all", 1, 1 << 14, 64 if on_gpu else 4))
+    go = st.form_submit_button("Run sweep", type="primary")
+
+if go:
+    limit = frame.lm.shape["context"]
+    if limit and prompt + generate > limit:
+        st.error(f"Prompt + generated tokens ({prompt + generate}) exceed this model's context of {limit}.")
+        st.stop()
+    if not caches:
+        st.error("Pick at least one cache.")
+        st.stop()
+    st.session_state.sweep_run = {"probes": [], "points": [], "skipped": [], "done": False}
+    state = st.session_state.sweep_run
+    st.button("Stop", help="Stops the sweep after the current step; the points so far stay.")
+    status = st.status("Sweeping ...", expanded=True)
+    live = st.empty()
+    with gpu_lock():
+        try:
+            for what, row in sweep(frame.lm.model, caches, prompt, generate, equal,
+                                   int(budget * 2**30) if budget else None, points=3, start=1):
+                state[{"probe": "probes", "point": "points", "skip": "skipped"}[what]].append(row)
+                if what == "probe":
+                    status.write(f"{row['cache']} at batch {row['batch']}: "
+                                 + ("fits" if row["fits"] else row.get("reason", "does not fit")))
+                elif what == "skip":
+                    status.write(f"{row['cache']}: skipped ({row['reason']})")
+                else:
+                    status.write(f"{row['cache']}: {row.get('tokens_per_s', 0):.1f} tokens/s at batch {row['batch']}")
+                    with live.container():
+                        charts(pd.DataFrame(state["points"]), f"live{len(state['points'])}")
+        except ValueError as err:
+            st.error(str(err))
+    state["done"] = True
+    status.update(label="Sweep done", state="complete", expanded=False)
+elif "sweep_run" in st.session_state:
+    state = st.session_state.sweep_run
+    if not state["done"]:
+        st.warning("The last sweep was stopped; these are the points it finished.")
+    charts(pd.DataFrame(state["points"]), "live")
+    for skip in state["skipped"]:
+        st.caption(f"{skip['cache']}: not measured ({skip['reason']})")
