@@ -103,9 +103,11 @@ def _kv_shape(model) -> tuple[int, int, torch.dtype, torch.device]:
 
 
 @torch.inference_mode()
-def fill(cache: Cache, model, batch: int, tokens: int, chunk: int = 1024) -> None:
-    """Append `tokens` random tokens per sequence to every layer of the cache, in chunks."""
+def fill(cache: Cache, model, batch: int, tokens: int, chunk: int | None = None) -> None:
+    """Append `tokens` random tokens per sequence to every layer of the cache, in chunks (by default
+    about 2^26 elements each, so that the temporaries stay small next to the cache)."""
     heads, dim, dtype, device = _kv_shape(model)
+    chunk = chunk or max(128, min(4096, (1 << 26) // (batch * heads * dim) // 128 * 128))
     spread = torch.linspace(0.2, 4.0, dim, device=device, dtype=dtype)
     done = 0
     while done < tokens:
