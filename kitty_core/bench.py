@@ -140,7 +140,9 @@ def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.
 def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
     """Per cache: max batch, peak memory, throughput at max and at equal batch, and ratios against
     the transformers caches and the same-runtime FP16 baseline."""
-    ok = points[points.get("tokens_per_s").notna()] if "tokens_per_s" in points else points.iloc[:0]
+    if "tokens_per_s" not in points:
+        return pd.DataFrame()
+    ok = points[points["tokens_per_s"].notna()]
     rows = []
     for cache, g in ok.groupby("cache", sort=False):
         at_max, at_eq = g[g["at"] == "max batch"], g[g["at"] == "equal batch"]
