@@ -282,8 +282,8 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
         if grow > 0:
             fill(cache, model, batch, grow)
         decode_step(model, cache, batch)  # warm-up at this length
-        times = [_timed(lambda: decode_step(model, cache, batch)) for _ in range(steps)]
-        step_ms.append(1e3 * sorted(times)[len(times) // 2])
+        # consecutive steps, one sync: the host runs ahead of the GPU as in a real decode loop
+        step_ms.append(1e3 * _timed(lambda: [decode_step(model, cache, batch) for _ in range(steps)]) / steps)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     kv, view = cache_bytes(cache), cache_bytes(cache, views=True)
     tokens_held = int(cache.get_seq_length())
@@ -354,13 +354,20 @@ def sweep(model, caches, prompt: int, generate: int, equal_batch: int | None = N
         for b in batches:
             if stop and stop():
                 return
-            try:
-                row = measure(model, kind, b, prompt, generate, points)
-            except (torch.OutOfMemoryError, RuntimeError) as err:
-                if not _is_oom(err):
-                    raise
-                _free()
-                row = {"cache": kind, "batch": b, "reason": "out of memory"}
+            at, tries = b, 0
+            while True:  # the prefill needs activations the fit probe did not: back off 10% if short
+                try:
+                    row = measure(model, kind, at, prompt, generate, points)
+                    break
+                except (torch.OutOfMemoryError, RuntimeError) as err:
+                    if not _is_oom(err):
+                        raise
+                    _free()
+                    tries += 1
+                    if b != best or tries > 3:
+                        row = {"cache": kind, "batch": at, "reason": "out of memory"}
+                        break
+                    at = at * 9 // 10
             row["at"] = "max batch" if b == best else "equal batch"
             row["max_batch"] = best
             yield "point", row
