@@ -3,20 +3,22 @@
 Two implementations of one attention step (one new query token per sequence), and Algorithm 1:
 
 fused (`decode_attention`)  one split-KV pass (flash-decoding). Program (sequence, KV head, chunk):
-    chunk 0             the FP16 sink;
-    chunks 1 .. NT      the tail: page slots from the first one whose values are still FP16 (the
-                        value window), keys from a packed page or the FP16 key q-buffer;
-    chunks NT+1 ..      PPP fully packed page slots each, in a branch-free loop the compiler pipelines.
+    tail kernel   chunk 0: the FP16 sink; chunks 1 .. NT: page slots from the first one whose values
+                  are still FP16 (the value window), keys from a packed page or the FP16 q-buffer;
+    pages kernel  chunks NT+1 ..: PPP fully packed page slots each, in a branch-free loop.
     Each writes a partial softmax (max, sum, weighted values); `_combine_kernel` merges the chunks.
 unfused (`decode_attention_unfused`)  the paper's three steps: a qk kernel writes every score to
     memory, torch softmax, an sv kernel reads the probabilities back (partials summed by torch).
 `dequantize_pages`  pages -> float32 tokens (inspection and tests).
 
-How a page is read. Thanks to the plane layout of `kitty_core.quant` (byte i of a row of n codes
-holds elements i, i + n/4, i + n/2, i + 3n/4), a page loads as one natural-order tile: column j
-reads byte j % (n/4) and shifts by 2 * (j // (n/4)); the four reads of a byte hit L1. Key pages give
-a [D, G] tile (channels x tokens), value pages a [G, D] tile, so each page costs two tensor-core dots,
-q [heads, D] @ K [D, G] and p [heads, G] @ V [G, D], for all query heads of the GQA group at once.
+How a page is read. A packed row of n codes is four planes of n/4 contiguous elements (byte i
+holds elements i, i + n/4, i + n/2, i + 3n/4; `kitty_core.quant`). A key page head is one [D, G/4]
+byte load whose plane P, `(byte >> 2P) & 3`, is the [D, G/4] code tile of tokens P*G/4 .. (P+1)*G/4;
+so a page costs four tensor-core dots q [heads, D] @ plane [D, G/4], for all query heads of the GQA
+group at once, with no shuffle of unpacked values. The compact high plane ([Db, G/4]) adds four more
+dots against the queries of the boosted channels, gathered through the boost index by a one-hot dot
+and scaled by 4. Values mirror it: a [G/4, D/4] byte tile per token quarter, one dot per channel
+plane into four accumulators [heads, D/4], joined once per program.
 Codes become fp16 without a conversion instruction: `code | 0x6400` is the bit pattern of the fp16
 number 1024 + code, and the 1024 is taken out after the dot (1024 x the row sum of the other
 operand). Per-channel key scales are folded into the query (q.k = sum (q_d s_d) c_d + sum q_d z_d),
@@ -32,7 +34,7 @@ import triton
 import triton.language as tl
 
 # ---------------------------------------------------------------------------------------------------
-# tiles
+# planes
 
 
 @triton.jit
@@ -44,66 +46,99 @@ def _to_f16(codes, BIAS: tl.constexpr):
 
 
 @triton.jit
-def _key_codes_tile(KD, KH, KI, kbase, hbase, ibase, sKDd, sKHr, D: tl.constexpr, G: tl.constexpr,
-                    NB: tl.constexpr):
-    """Codes [D, G] (channels x tokens, natural order) of one head of a key page: low plane, plus the
-    high plane (x 4) on the rows the boost index names (Algorithm 1)."""
+def _plane(raw, P: tl.constexpr):
+    """Codes of plane P (bits 2P and 2P + 1) of packed bytes, as int32 in [0, 3]."""
+    return (raw.to(tl.int32) >> (2 * P)) & 3
+
+
+@triton.jit
+def _key_plane_scores(qk, qb, raw, hraw, P: tl.constexpr, NB: tl.constexpr, BIAS: tl.constexpr):
+    """Scores [R, G/4] of the tokens of plane P: low codes, plus the boosted channels' high codes."""
+    s = tl.dot(qk, _to_f16(_plane(raw, P), BIAS))
+    if NB > 0:
+        s = tl.dot(qb, _to_f16(_plane(hraw, P), BIAS), s)
+    return s
+
+
+@triton.jit
+def _page_scores(q, KD, KH, KI, KSC, KZ, kbase, hbase, ibase, sKDd, sKHr, D: tl.constexpr, G: tl.constexpr,
+                 NB: tl.constexpr, NB_P: tl.constexpr, BIAS: tl.constexpr):
+    """Scores of the pre-scaled queries q [R, D] (fp32) against one head of a key page, as four
+    tiles [R, G/4]: tile P holds tokens P*G/4 .. (P+1)*G/4 - 1, the page's code plane P.
+
+    The dense plane is one [D, G/4] byte load; the compact high plane one [NB, G/4] load, met by the
+    queries of the boosted channels (gathered by a one-hot dot through the boost index, x 4)."""
     G4: tl.constexpr = G // 4
     d = tl.arange(0, D)
-    n = tl.arange(0, G)
-    col = (n % G4)[None, :]
-    shift = (2 * (n // G4))[None, :]
-    codes = (tl.load(KD + kbase + d[:, None] * sKDd + col).to(tl.int32) >> shift) & 3
-    if NB > 0:
-        idx = tl.load(KI + ibase + d).to(tl.int32)
-        boosted = (idx < NB)[:, None]
-        high = tl.load(KH + hbase + tl.where(idx < NB, idx, 0)[:, None] * sKHr + col, mask=boosted, other=0)
-        codes = codes | (((high.to(tl.int32) >> shift) & 3) << 2)
-    return codes
-
-
-@triton.jit
-def _value_codes_tile(VL, VH, vbase, sVLt, D: tl.constexpr, G: tl.constexpr, V4: tl.constexpr):
-    """Codes [G, D] (tokens x channels, natural order) of one head of a value page."""
-    D4: tl.constexpr = D // 4
-    t = tl.arange(0, G)
-    n = tl.arange(0, D)
-    offs = vbase + t[:, None] * sVLt + (n % D4)[None, :]
-    shift = (2 * (n // D4))[None, :]
-    codes = (tl.load(VL + offs).to(tl.int32) >> shift) & 3
-    if V4:
-        codes = codes | (((tl.load(VH + offs).to(tl.int32) >> shift) & 3) << 2)
-    return codes
-
-
-@triton.jit
-def _page_scores(q, KD, KH, KI, KSC, KZ, kbase, hbase, ibase, sKDd, sKHr,
-                 D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, BIAS: tl.constexpr):
-    """Scores [R, G] of the pre-scaled queries q [R, D] (fp32) against one head of a key page."""
-    d = tl.arange(0, D)
+    g = tl.arange(0, G4)
     ks = tl.load(KSC + ibase + d).to(tl.float32)
     kz = tl.load(KZ + ibase + d).to(tl.float32)
     qk = (q * ks[None, :]).to(tl.float16)
     shift = tl.sum(q * kz[None, :], 1)
     if BIAS:
         shift -= 1024.0 * tl.sum(qk.to(tl.float32), 1)
-    k = _to_f16(_key_codes_tile(KD, KH, KI, kbase, hbase, ibase, sKDd, sKHr, D, G, NB), BIAS)
-    return tl.dot(qk, k) + shift[:, None]
+    raw = tl.load(KD + kbase + d[:, None] * sKDd + g[None, :])
+    qb = qk
+    hraw = raw
+    if NB > 0:
+        k = tl.arange(0, NB_P)
+        idx = tl.load(KI + ibase + d).to(tl.int32)
+        pick = ((idx[:, None] == k[None, :]) & (k < NB)[None, :]).to(tl.float16)  # [D, NB_P]
+        qb = (tl.dot(qk, pick) * 4.0).to(tl.float16)  # exact: one nonzero term per column
+        if BIAS:
+            shift -= 1024.0 * tl.sum(qb.to(tl.float32), 1)
+        hraw = tl.load(KH + hbase + k[:, None] * sKHr + g[None, :], mask=(k < NB)[:, None], other=0)
+    s0 = _key_plane_scores(qk, qb, raw, hraw, 0, NB, BIAS) + shift[:, None]
+    s1 = _key_plane_scores(qk, qb, raw, hraw, 1, NB, BIAS) + shift[:, None]
+    s2 = _key_plane_scores(qk, qb, raw, hraw, 2, NB, BIAS) + shift[:, None]
+    s3 = _key_plane_scores(qk, qb, raw, hraw, 3, NB, BIAS) + shift[:, None]
+    return s0, s1, s2, s3
 
 
 @triton.jit
-def _page_values(p, VL, VH, VSC, VZ, vbase, sbase, sVLt, D: tl.constexpr, G: tl.constexpr,
-                 V4: tl.constexpr, BIAS: tl.constexpr):
-    """p [R, G] (fp32) @ one head of a value page -> [R, D] fp32, per-token scales folded into p."""
-    t = tl.arange(0, G)
+def _value_plane(raw, hraw, P: tl.constexpr, V4: tl.constexpr, BIAS: tl.constexpr):
+    c = _plane(raw, P)
+    if V4:
+        c = c | (_plane(hraw, P) << 2)
+    return _to_f16(c, BIAS)
+
+
+@triton.jit
+def _page_values_part(p, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase, sVLt, T: tl.constexpr,
+                      D: tl.constexpr, G: tl.constexpr, V4: tl.constexpr, BIAS: tl.constexpr):
+    """Add p [R, G/4] (the probabilities of tokens T*G/4 ..) times those tokens' values of one head
+    of a value page to the channel-plane accumulators a0..a3 [R, D/4]; per-token scales folded
+    into p, the zero (and bias) terms into shift [R]."""
+    G4: tl.constexpr = G // 4
+    D4: tl.constexpr = D // 4
+    t = T * G4 + tl.arange(0, G4)
     vs = tl.load(VSC + sbase + t).to(tl.float32)
     vz = tl.load(VZ + sbase + t).to(tl.float32)
     pw = (p * vs[None, :]).to(tl.float16)
-    shift = tl.sum(p * vz[None, :], 1)
+    shift += tl.sum(p * vz[None, :], 1)
     if BIAS:
         shift -= 1024.0 * tl.sum(pw.to(tl.float32), 1)
-    v = _to_f16(_value_codes_tile(VL, VH, vbase, sVLt, D, G, V4), BIAS)
-    return tl.dot(pw, v) + shift[:, None]
+    offs = vbase + t[:, None] * sVLt + tl.arange(0, D4)[None, :]
+    raw = tl.load(VL + offs)
+    hraw = raw
+    if V4:
+        hraw = tl.load(VH + offs)
+    a0 = tl.dot(pw, _value_plane(raw, hraw, 0, V4, BIAS), a0)
+    a1 = tl.dot(pw, _value_plane(raw, hraw, 1, V4, BIAS), a1)
+    a2 = tl.dot(pw, _value_plane(raw, hraw, 2, V4, BIAS), a2)
+    a3 = tl.dot(pw, _value_plane(raw, hraw, 3, V4, BIAS), a3)
+    return a0, a1, a2, a3, shift
+
+
+@triton.jit
+def _cat(a, b):
+    """[R, n] and [R, n] -> [R, 2n], a then b along the last dim."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _cat4(a0, a1, a2, a3):
+    return _cat(_cat(a0, a1), _cat(a2, a3))
 
 
 @triton.jit
@@ -112,6 +147,18 @@ def _fp16_tile(X, base, s_t, count, T: tl.constexpr, D: tl.constexpr):
     t = tl.arange(0, T)
     d = tl.arange(0, D)
     return tl.load(X + base + t[:, None] * s_t + d[None, :], mask=(t < count)[:, None], other=0.0).to(tl.float16)
+
+
+@triton.jit
+def _fp16_part_scores(q16, X, base, s_t, count, T: tl.constexpr, G4: tl.constexpr, D: tl.constexpr):
+    """Scores [R, G/4] of FP16 keys T*G/4 .. (T+1)*G/4 - 1 of a slot (rows >= count: -inf)."""
+    s = tl.dot(q16, tl.trans(_fp16_tile(X, base + T * G4 * s_t, s_t, count - T * G4, G4, D)))
+    return _mask_part(s, count, T, G4)
+
+
+@triton.jit
+def _mask_part(s, count, T: tl.constexpr, G4: tl.constexpr):
+    return tl.where((T * G4 + tl.arange(0, G4) < count)[None, :], s, float("-inf"))
 
 
 @triton.jit
@@ -124,12 +171,47 @@ def _online_update(m_i, l_i, acc, s):
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None], p
 
 
+@triton.jit
+def _online_update4(m_i, l_i, s0, s1, s2, s3):
+    """The same for a page's four score tiles: returns (m, l, alpha, p0, p1, p2, p3)."""
+    top = tl.maximum(tl.maximum(tl.max(s0, 1), tl.max(s1, 1)), tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
+    m_new = tl.maximum(m_i, top)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p0 = tl.exp(s0 - m_safe[:, None])
+    p1 = tl.exp(s1 - m_safe[:, None])
+    p2 = tl.exp(s2 - m_safe[:, None])
+    p3 = tl.exp(s3 - m_safe[:, None])
+    l_new = l_i * alpha + (tl.sum(p0, 1) + tl.sum(p1, 1)) + (tl.sum(p2, 1) + tl.sum(p3, 1))
+    return m_new, l_new, alpha, p0, p1, p2, p3
+
+
 # ---------------------------------------------------------------------------------------------------
 # fused
 
 
 @triton.jit
-def _decode_partial_kernel(
+def _query_tile(Q, sQb, sQh, b, h, scaling, REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr):
+    """The GQA group's queries [REP_P, D] (rows >= REP zero), pre-scaled, fp32."""
+    r = tl.arange(0, REP_P)
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * sQb + (h * REP + r)[:, None] * sQh + d[None, :], mask=(r < REP)[:, None], other=0.0)
+    return q.to(tl.float32) * scaling
+
+
+@triton.jit
+def _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, chunk, m_i, l_i, acc,
+                   REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr):
+    r = tl.arange(0, REP_P)
+    heads = h * REP + r
+    keep = r < REP
+    tl.store(M + b * sMb + heads * sMh + chunk, m_i, mask=keep)
+    tl.store(L + b * sMb + heads * sMh + chunk, l_i, mask=keep)
+    tl.store(ACC + b * sAb + heads[:, None] * sAh + chunk * sAc + tl.arange(0, D)[None, :], acc, mask=keep[:, None])
+
+
+@triton.jit
+def _decode_tail_kernel(
     Q, sQb, sQh,
     KS, VS, sSb, sSh, sSt,
     KB, sKBb, sKBh, sKBt,
@@ -141,20 +223,16 @@ def _decode_partial_kernel(
     M, L, ACC, sMb, sMh, sAb, sAh, sAc,
     scaling,
     HKV: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-    S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, V4: tl.constexpr, PPP: tl.constexpr,
-    NT: tl.constexpr, BIAS: tl.constexpr, ABLATE: tl.constexpr,
+    S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr, V4: tl.constexpr,
+    PPP: tl.constexpr, NT: tl.constexpr, BIAS: tl.constexpr, ABLATE: tl.constexpr,
 ):
-    """ABLATE (diagnostics for `bench kernels --ablate`, 0 in use): 1 keys only, 2 unpacking without
-    dots, 3 plain loads of the packed bytes."""
-    pid = tl.program_id(0)
+    """Chunk 0: the FP16 sink; chunk c in 1 .. NT: slot n_vp + c - 1, values from the FP16 window."""
+    G4: tl.constexpr = G // 4
+    b = tl.program_id(0) // HKV
+    h = tl.program_id(0) % HKV
     chunk = tl.program_id(1)
-    b = pid // HKV
-    h = pid % HKV
-    r = tl.arange(0, REP_P)
-    d = tl.arange(0, D)
-    heads = h * REP + r
-    q = tl.load(Q + b * sQb + heads[:, None] * sQh + d[None, :], mask=(r < REP)[:, None], other=0.0).to(tl.float32)
-    q = q * scaling
+    q = _query_tile(Q, sQb, sQh, b, h, scaling, REP, REP_P, D)
+    q16 = q.to(tl.float16)
     n = tl.load(LENS + b)
     n_vp = tl.load(NVP + b)
     m_i = tl.full((REP_P,), float("-inf"), tl.float32)
@@ -163,56 +241,118 @@ def _decode_partial_kernel(
     if chunk == 0:  # the sink
         n_sink = tl.minimum(n, S)
         base = b * sSb + h * sSh
-        s = tl.dot(q.to(tl.float16), tl.trans(_fp16_tile(KS, base, sSt, n_sink, S_P, D)))
+        s = tl.dot(q16, tl.trans(_fp16_tile(KS, base, sSt, n_sink, S_P, D)))
         s = tl.where((tl.arange(0, S_P) < n_sink)[None, :], s, float("-inf"))
         m_i, l_i, acc, p = _online_update(m_i, l_i, acc, s)
         acc += tl.dot(p.to(tl.float16), _fp16_tile(VS, base, sSt, n_sink, S_P, D))
-    elif chunk <= NT:  # one slot of the tail: values from the FP16 window
+    else:  # one slot of the tail
         c = n_vp + chunk - 1
         count = tl.minimum(n - (S + c * G), G)
         if count > 0:
             if c < tl.load(NKP + b):
                 page = tl.load(KT + b * sKT + c)
-                s = _page_scores(q, KD, KH, KI, KSC, KZ, page * sKDp + h * sKDh, page * sKHp + h * sKHh,
-                                 page * sKIp + h * sKIh, sKDd, sKHr, D, G, NB, BIAS)
+                s0, s1, s2, s3 = _page_scores(q, KD, KH, KI, KSC, KZ, page * sKDp + h * sKDh, page * sKHp + h * sKHh,
+                                              page * sKIp + h * sKIh, sKDd, sKHr, D, G, NB, NB_P, BIAS)
+                s0 = _mask_part(s0, count, 0, G4)
+                s1 = _mask_part(s1, count, 1, G4)
+                s2 = _mask_part(s2, count, 2, G4)
+                s3 = _mask_part(s3, count, 3, G4)
             else:
-                kb = _fp16_tile(KB, b * sKBb + h * sKBh, sKBt, count, G, D)
-                s = tl.dot(q.to(tl.float16), tl.trans(kb))
-            s = tl.where((tl.arange(0, G) < count)[None, :], s, float("-inf"))
-            m_i, l_i, acc, p = _online_update(m_i, l_i, acc, s)
-            vw = _fp16_tile(VW, b * sVWb + h * sVWh + (chunk - 1) * G * sVWt, sVWt, count, G, D)
-            acc += tl.dot(p.to(tl.float16), vw)
-    else:  # PPP page slots whose keys and values are both packed
-        first = (chunk - 1 - NT) * PPP
-        if first < n_vp:
-            # a fixed trip count: slots past the sequence's last page read page 0 and weigh nothing
-            for i in range(PPP):
-                live = first + i < n_vp
-                kpage = tl.load(KT + b * sKT + first + i, mask=live, other=0)
-                vpage = tl.load(VT + b * sVT + first + i, mask=live, other=0)
-                if ABLATE == 0 or ABLATE == 1:
-                    s = _page_scores(q, KD, KH, KI, KSC, KZ, kpage * sKDp + h * sKDh, kpage * sKHp + h * sKHh,
-                                     kpage * sKIp + h * sKIh, sKDd, sKHr, D, G, NB, BIAS)
-                    m_i, l_i, acc, p = _online_update(m_i, l_i, acc, tl.where(live, s, float("-inf")))
-                    if ABLATE == 0:
-                        acc += _page_values(p, VL, VH, VSC, VZ, vpage * sVLp + h * sVLh, vpage * sVSp + h * sVSh,
-                                            sVLt, D, G, V4, BIAS)
-                elif ABLATE == 2:  # diagnostic: unpack both tiles, no dots
-                    kc = _key_codes_tile(KD, KH, KI, kpage * sKDp + h * sKDh, kpage * sKHp + h * sKHh,
-                                         kpage * sKIp + h * sKIh, sKDd, sKHr, D, G, NB)
-                    vc = _value_codes_tile(VL, VH, vpage * sVLp + h * sVLh, sVLt, D, G, V4)
-                    l_i += (tl.sum(tl.sum(kc, 1), 0) + tl.sum(tl.sum(vc, 1), 0)).to(tl.float32)
-                else:  # diagnostic: the same bytes as contiguous plane rows, no unpacking, no dots
-                    g4 = tl.arange(0, G // 4)
-                    d4 = tl.arange(0, D // 4)
-                    kraw = tl.load(KD + kpage * sKDp + h * sKDh + d[:, None] * sKDd + g4[None, :])
-                    vraw = tl.load(VL + vpage * sVLp + h * sVLh + tl.arange(0, G)[:, None] * sVLt + d4[None, :])
-                    l_i += (tl.sum(tl.sum(kraw.to(tl.int32), 1), 0) + tl.sum(tl.sum(vraw.to(tl.int32), 1), 0)).to(tl.float32)
-    out = b * sMb + heads * sMh + chunk
-    keep = r < REP
-    tl.store(M + out, m_i, mask=keep)
-    tl.store(L + out, l_i, mask=keep)
-    tl.store(ACC + b * sAb + heads[:, None] * sAh + chunk * sAc + d[None, :], acc, mask=keep[:, None])
+                kb = b * sKBb + h * sKBh
+                s0 = _fp16_part_scores(q16, KB, kb, sKBt, count, 0, G4, D)
+                s1 = _fp16_part_scores(q16, KB, kb, sKBt, count, 1, G4, D)
+                s2 = _fp16_part_scores(q16, KB, kb, sKBt, count, 2, G4, D)
+                s3 = _fp16_part_scores(q16, KB, kb, sKBt, count, 3, G4, D)
+            m_i, l_i, alpha, p0, p1, p2, p3 = _online_update4(m_i, l_i, s0, s1, s2, s3)
+            vw = b * sVWb + h * sVWh + (chunk - 1) * G * sVWt
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p0.to(tl.float16), _fp16_tile(VW, vw, sVWt, count, G4, D), acc)
+            acc = tl.dot(p1.to(tl.float16), _fp16_tile(VW, vw + G4 * sVWt, sVWt, count - G4, G4, D), acc)
+            acc = tl.dot(p2.to(tl.float16), _fp16_tile(VW, vw + 2 * G4 * sVWt, sVWt, count - 2 * G4, G4, D), acc)
+            acc = tl.dot(p3.to(tl.float16), _fp16_tile(VW, vw + 3 * G4 * sVWt, sVWt, count - 3 * G4, G4, D), acc)
+    _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, chunk, m_i, l_i, acc, REP, REP_P, D)
+
+
+@triton.jit
+def _decode_pages_kernel(
+    Q, sQb, sQh,
+    KS, VS, sSb, sSh, sSt,
+    KB, sKBb, sKBh, sKBt,
+    VW, sVWb, sVWh, sVWt,
+    KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKHp, sKHh, sKHr, sKIp, sKIh,
+    VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVSp, sVSh,
+    KT, VT, sKT, sVT,
+    LENS, NKP, NVP,
+    M, L, ACC, sMb, sMh, sAb, sAh, sAc,
+    scaling,
+    HKV: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+    S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr, V4: tl.constexpr,
+    PPP: tl.constexpr, NT: tl.constexpr, BIAS: tl.constexpr, ABLATE: tl.constexpr,
+):
+    """PPP page slots whose keys and values are both packed, from slot program_id(1) * PPP, into
+    partial NT + 1 + program_id(1). ABLATE (diagnostics for `bench kernels --ablate`, 0 in use):
+    1 keys only, 2 plain loads of the packed planes (no unpacking, no dots)."""
+    G4: tl.constexpr = G // 4
+    D4: tl.constexpr = D // 4
+    b = tl.program_id(0) // HKV
+    h = tl.program_id(0) % HKV
+    chunk = tl.program_id(1)
+    q = _query_tile(Q, sQb, sQh, b, h, scaling, REP, REP_P, D)
+    d = tl.arange(0, D)
+    n_vp = tl.load(NVP + b)
+    m_i = tl.full((REP_P,), float("-inf"), tl.float32)
+    l_i = tl.zeros((REP_P,), tl.float32)
+    acc = tl.zeros((REP_P, D), tl.float32)
+    first = chunk * PPP
+    # the run's page ids in one load, ahead of the page loop (no table round trip per page)
+    slots = tl.arange(0, PPP)
+    kpages = tl.load(KT + b * sKT + first + slots, mask=first + slots < n_vp, other=0)
+    vpages = tl.load(VT + b * sVT + first + slots, mask=first + slots < n_vp, other=0)
+    if first < n_vp:
+        a0 = tl.zeros((REP_P, D4), tl.float32)
+        a1 = tl.zeros((REP_P, D4), tl.float32)
+        a2 = tl.zeros((REP_P, D4), tl.float32)
+        a3 = tl.zeros((REP_P, D4), tl.float32)
+        # a fixed trip count: slots past the sequence's last page read page 0 and weigh nothing
+        for i in range(PPP):
+            live = first + i < n_vp
+            kpage = tl.sum(tl.where(slots == i, kpages, 0))
+            vpage = tl.sum(tl.where(slots == i, vpages, 0))
+            if ABLATE == 2:  # diagnostic: the same planes, plain loads
+                kraw = tl.load(KD + kpage * sKDp + h * sKDh + d[:, None] * sKDd + tl.arange(0, G4)[None, :])
+                vraw = tl.load(VL + vpage * sVLp + h * sVLh + tl.arange(0, G)[:, None] * sVLt
+                               + tl.arange(0, D4)[None, :])
+                l_i += (tl.sum(tl.sum(kraw.to(tl.int32), 1), 0) + tl.sum(tl.sum(vraw.to(tl.int32), 1), 0)).to(tl.float32)
+            else:
+                s0, s1, s2, s3 = _page_scores(q, KD, KH, KI, KSC, KZ, kpage * sKDp + h * sKDh,
+                                              kpage * sKHp + h * sKHh, kpage * sKIp + h * sKIh, sKDd, sKHr,
+                                              D, G, NB, NB_P, BIAS)
+                dead = float("-inf")
+                m_i, l_i, alpha, p0, p1, p2, p3 = _online_update4(
+                    m_i, l_i, tl.where(live, s0, dead), tl.where(live, s1, dead), tl.where(live, s2, dead),
+                    tl.where(live, s3, dead))
+                a0 = a0 * alpha[:, None]
+                a1 = a1 * alpha[:, None]
+                a2 = a2 * alpha[:, None]
+                a3 = a3 * alpha[:, None]
+                if ABLATE == 0:
+                    vbase = vpage * sVLp + h * sVLh
+                    sbase = vpage * sVSp + h * sVSh
+                    shift = tl.zeros((REP_P,), tl.float32)
+                    a0, a1, a2, a3, shift = _page_values_part(p0, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
+                                                              sbase, sVLt, 0, D, G, V4, BIAS)
+                    a0, a1, a2, a3, shift = _page_values_part(p1, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
+                                                              sbase, sVLt, 1, D, G, V4, BIAS)
+                    a0, a1, a2, a3, shift = _page_values_part(p2, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
+                                                              sbase, sVLt, 2, D, G, V4, BIAS)
+                    a0, a1, a2, a3, shift = _page_values_part(p3, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
+                                                              sbase, sVLt, 3, D, G, V4, BIAS)
+                    a0 += shift[:, None]
+                    a1 += shift[:, None]
+                    a2 += shift[:, None]
+                    a3 += shift[:, None]
+        acc = _cat4(a0, a1, a2, a3)
+    _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, NT + 1 + chunk, m_i, l_i, acc, REP, REP_P, D)
 
 
 @triton.jit
@@ -239,10 +379,10 @@ def _tail_slots(config) -> int:
 
 
 def _check(layer, query):
-    d, rep = layer.head_dim, query.shape[1] // layer.heads
-    if layer.config.group_size & (layer.config.group_size - 1) or d & (d - 1) or d < 16:
-        raise ValueError(f"the kernels need a power-of-two group size and head size >= 16, got "
-                         f"G={layer.config.group_size}, D={d}")
+    d, g, rep = layer.head_dim, layer.config.group_size, query.shape[1] // layer.heads
+    least = 64 if query.is_cuda else 4  # tensor-core dots take planes >= 16 wide; the interpreter any
+    if g & (g - 1) or d & (d - 1) or min(g, d) < least:
+        raise ValueError(f"the kernels need power-of-two group and head sizes >= {least}, got G={g}, D={d}")
     if rep > 64:
         raise ValueError(f"at most 64 query heads per KV head, got {rep}")
 
@@ -270,12 +410,14 @@ def _constants(layer, query):
     c, rep = layer.config, query.shape[1] // layer.heads
     return dict(HKV=layer.heads, REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), D=layer.head_dim,
                 G=c.group_size, S=c.sink, S_P=max(16, triton.next_power_of_2(max(c.sink, 1))),
-                NB=layer.n_boost, V4=c.value_bits == 4)
+                NB=layer.n_boost, NB_P=max(16, triton.next_power_of_2(max(layer.n_boost, 1))),
+                V4=c.value_bits == 4)
 
 
 def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                      state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 4,
-                     num_stages: int = 2, bias: bool = True, ablate: int = 0) -> torch.Tensor:
+                     num_stages: int = 2, bias: bool = True, ablate: int = 0, max_registers: int | None = None
+                     ) -> torch.Tensor:
     """Attention of one new query token per sequence over a Kitty layer's state, fused.
 
     query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16).
@@ -285,7 +427,9 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     b, hq, _, d = query.shape
     slots, nt = st["max_slots"], _tail_slots(layer.config)
     # enough programs to fill the GPU (about 8 per SM of an H200), as few partials as that allows
-    ppp = pages_per_program or max(1, min(16, b * layer.heads * slots // 1056))
+    ppp = pages_per_program or 1 << (max(1, min(16, b * layer.heads * slots // 1056)).bit_length() - 1)
+    if ppp & (ppp - 1):
+        raise ValueError(f"pages_per_program must be a power of two, got {ppp}")
     n_chunks = 1 + nt + -(-slots // ppp)
     q = query[:, :, 0]
     ws = workspace if workspace is not None else {}
@@ -295,12 +439,16 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
                   l=torch.empty((b, hq, n_chunks), device=q.device, dtype=torch.float32),
                   acc=torch.empty((b, hq, n_chunks, d), device=q.device, dtype=torch.float32))
     m, l, acc = ws["m"], ws["l"], ws["acc"]
-    _decode_partial_kernel[(b * layer.heads, n_chunks)](
-        q, q.stride(0), q.stride(1), *_kernel_args(layer, st),
-        m, l, acc, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
-        scaling, **_constants(layer, query), PPP=ppp, NT=nt, BIAS=bias, ABLATE=ablate,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    args = (q, q.stride(0), q.stride(1), *_kernel_args(layer, st),
+            m, l, acc, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), scaling)
+    consts = dict(**_constants(layer, query), PPP=ppp, NT=nt, BIAS=bias, ABLATE=ablate)
+    # two launches: the FP16 sink and tail would otherwise size every page program's registers and
+    # shared memory, and so how many of them an SM holds
+    _decode_tail_kernel[(b * layer.heads, 1 + nt)](*args, **consts)
+    launch = dict(num_warps=num_warps, num_stages=num_stages)
+    if max_registers:
+        launch["maxnreg"] = max_registers
+    _decode_pages_kernel[(b * layer.heads, n_chunks - 1 - nt)](*args, **consts, **launch)
     out = torch.empty((b, hq, 1, d), device=q.device, dtype=query.dtype)
     _combine_kernel[(b * hq,)](
         m, l, acc, out, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
@@ -326,7 +474,8 @@ def _qk_kernel(
     SC, sSCb, sSCh,
     scaling,
     HKV: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-    S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, V4: tl.constexpr, BIAS: tl.constexpr,
+    S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr, V4: tl.constexpr,
+    BIAS: tl.constexpr,
 ):
     """Scores of slot program_id(1) - 1 (-1: the sink) into SC [B, Hq, S + slots * G], -inf if empty."""
     pid = tl.program_id(0)
@@ -347,17 +496,25 @@ def _qk_kernel(
         s_sink = tl.where((ts < n_sink)[None, :], s_sink, float("-inf"))
         tl.store(row + ts[None, :], s_sink, mask=keep & (ts < S)[None, :])
     else:
+        G4: tl.constexpr = G // 4
         count = tl.minimum(n - (S + slot * G), G)
-        t = tl.arange(0, G)
+        row = row + S + slot * G
         if slot < tl.load(NKP + b):
             page = tl.load(KT + b * sKT + slot)
-            s = _page_scores(q, KD, KH, KI, KSC, KZ, page * sKDp + h * sKDh, page * sKHp + h * sKHh,
-                             page * sKIp + h * sKIh, sKDd, sKHr, D, G, NB, BIAS)
+            s0, s1, s2, s3 = _page_scores(q, KD, KH, KI, KSC, KZ, page * sKDp + h * sKDh, page * sKHp + h * sKHh,
+                                          page * sKIp + h * sKIh, sKDd, sKHr, D, G, NB, NB_P, BIAS)
         else:
-            kb = _fp16_tile(KB, b * sKBb + h * sKBh, sKBt, count, G, D)
-            s = tl.dot(q.to(tl.float16), tl.trans(kb))
-        s = tl.where((t < count)[None, :], s, float("-inf"))
-        tl.store(row + S + slot * G + t[None, :], s, mask=keep)
+            kb = b * sKBb + h * sKBh
+            q16 = q.to(tl.float16)
+            s0 = _fp16_part_scores(q16, KB, kb, sKBt, count, 0, G4, D)
+            s1 = _fp16_part_scores(q16, KB, kb, sKBt, count, 1, G4, D)
+            s2 = _fp16_part_scores(q16, KB, kb, sKBt, count, 2, G4, D)
+            s3 = _fp16_part_scores(q16, KB, kb, sKBt, count, 3, G4, D)
+        t = tl.arange(0, G4)[None, :]
+        tl.store(row + t, _mask_part(s0, count, 0, G4), mask=keep)
+        tl.store(row + G4 + t, _mask_part(s1, count, 1, G4), mask=keep)
+        tl.store(row + 2 * G4 + t, _mask_part(s2, count, 2, G4), mask=keep)
+        tl.store(row + 3 * G4 + t, _mask_part(s3, count, 3, G4), mask=keep)
 
 
 @triton.jit
@@ -372,7 +529,8 @@ def _sv_kernel(
     LENS, NKP, NVP,
     P, sPb, sPh, OUT, sOb, sOh, sOc,
     HKV: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-    S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, V4: tl.constexpr, BIAS: tl.constexpr,
+    S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr, V4: tl.constexpr,
+    BIAS: tl.constexpr,
 ):
     """Probabilities of slot program_id(1) - 1 (-1: the sink) times its values -> OUT[:, :, slot + 1]."""
     pid = tl.program_id(0)
@@ -395,13 +553,35 @@ def _sv_kernel(
     else:
         count = tl.minimum(n - (S + slot * G), G)
         if count > 0:
-            t = tl.arange(0, G)
-            p = tl.load(row + S + slot * G + t[None, :], mask=keep & (t < count)[None, :], other=0.0)
+            row = row + S + slot * G
             if slot < n_vp:
+                G4: tl.constexpr = G // 4
+                D4: tl.constexpr = D // 4
                 page = tl.load(VT + b * sVT + slot)
-                acc = _page_values(p, VL, VH, VSC, VZ, page * sVLp + h * sVLh, page * sVSp + h * sVSh,
-                                   sVLt, D, G, V4, BIAS)
+                vbase = page * sVLp + h * sVLh
+                sbase = page * sVSp + h * sVSh
+                tq = tl.arange(0, G4)[None, :]
+                a0 = tl.zeros((REP_P, D4), tl.float32)
+                a1 = tl.zeros((REP_P, D4), tl.float32)
+                a2 = tl.zeros((REP_P, D4), tl.float32)
+                a3 = tl.zeros((REP_P, D4), tl.float32)
+                shift = tl.zeros((REP_P,), tl.float32)
+                pq = tl.load(row + tq, mask=keep, other=0.0)
+                a0, a1, a2, a3, shift = _page_values_part(pq, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase,
+                                                          sVLt, 0, D, G, V4, BIAS)
+                pq = tl.load(row + G4 + tq, mask=keep, other=0.0)
+                a0, a1, a2, a3, shift = _page_values_part(pq, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase,
+                                                          sVLt, 1, D, G, V4, BIAS)
+                pq = tl.load(row + 2 * G4 + tq, mask=keep, other=0.0)
+                a0, a1, a2, a3, shift = _page_values_part(pq, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase,
+                                                          sVLt, 2, D, G, V4, BIAS)
+                pq = tl.load(row + 3 * G4 + tq, mask=keep, other=0.0)
+                a0, a1, a2, a3, shift = _page_values_part(pq, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase,
+                                                          sVLt, 3, D, G, V4, BIAS)
+                acc = _cat4(a0, a1, a2, a3) + shift[:, None]
             else:
+                t = tl.arange(0, G)
+                p = tl.load(row + t[None, :], mask=keep & (t < count)[None, :], other=0.0)
                 vw = _fp16_tile(VW, b * sVWb + h * sVWh + (slot - n_vp) * G * sVWt, sVWt, count, G, D)
                 acc = tl.dot(p.to(tl.float16), vw)
     tl.store(OUT + b * sOb + heads[:, None] * sOh + (slot + 1) * sOc + d[None, :], acc, mask=keep)
@@ -442,21 +622,37 @@ def _dequant_pages_kernel(KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKHp, sKHh, sKH
     page = pid // H
     h = pid % H
     out = O + page * sOp + h * sOh
-    d = tl.arange(0, D)
-    t = tl.arange(0, G)
     if KEYS:
+        G4: tl.constexpr = G // 4
+        d = tl.arange(0, D)
+        g = tl.arange(0, G4)
         ibase = page * sKIp + h * sKIh
-        codes = _key_codes_tile(KD, KH, KI, page * sKDp + h * sKDh, page * sKHp + h * sKHh, ibase, sKDd, sKHr,
-                                D, G, NB)  # [D, G]
-        x = codes.to(tl.float32) * tl.load(KSC + ibase + d).to(tl.float32)[:, None] \
-            + tl.load(KZ + ibase + d).to(tl.float32)[:, None]
-        tl.store(out + t[None, :] * sOt + d[:, None], x)
+        raw = tl.load(KD + page * sKDp + h * sKDh + d[:, None] * sKDd + g[None, :])  # [D, G/4]
+        hraw = tl.zeros_like(raw)
+        if NB > 0:  # the high plane row of every channel, through the boost index
+            idx = tl.load(KI + ibase + d).to(tl.int32)
+            hraw = tl.load(KH + page * sKHp + h * sKHh + tl.where(idx < NB, idx, 0)[:, None] * sKHr + g[None, :],
+                           mask=(idx < NB)[:, None], other=0)
+        sc = tl.load(KSC + ibase + d).to(tl.float32)[:, None]
+        z = tl.load(KZ + ibase + d).to(tl.float32)[:, None]
+        for P in tl.static_range(4):  # plane P: tokens P*G/4 ..
+            codes = _plane(raw, P) | (_plane(hraw, P) << 2)
+            tl.store(out + (P * G4 + g)[None, :] * sOt + d[:, None], codes.to(tl.float32) * sc + z)
     else:
+        D4: tl.constexpr = D // 4
+        t = tl.arange(0, G)
+        c = tl.arange(0, D4)
         sbase = page * sVSp + h * sVSh
-        codes = _value_codes_tile(VL, VH, page * sVLp + h * sVLh, sVLt, D, G, V4)  # [G, D]
-        x = codes.to(tl.float32) * tl.load(VSC + sbase + t).to(tl.float32)[:, None] \
-            + tl.load(VZ + sbase + t).to(tl.float32)[:, None]
-        tl.store(out + t[:, None] * sOt + d[None, :], x)
+        offs = page * sVLp + h * sVLh + t[:, None] * sVLt + c[None, :]
+        raw = tl.load(VL + offs)  # [G, D/4]
+        hraw = tl.zeros_like(raw)
+        if V4:
+            hraw = tl.load(VH + offs)
+        sc = tl.load(VSC + sbase + t).to(tl.float32)[:, None]
+        z = tl.load(VZ + sbase + t).to(tl.float32)[:, None]
+        for P in tl.static_range(4):  # plane P: channels P*D/4 ..
+            codes = _plane(raw, P) | (_plane(hraw, P) << 2)
+            tl.store(out + t[:, None] * sOt + (P * D4 + c)[None, :], codes.to(tl.float32) * sc + z)
 
 
 def dequantize_pages(pages) -> torch.Tensor:

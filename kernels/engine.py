@@ -20,10 +20,11 @@ class TritonEngine(ReferenceEngine):
 
     @staticmethod
     def supports(layer, query) -> bool:
-        """The kernels take power-of-two page and head sizes of at least 16 (tensor-core tiles) and up
-        to 64 query heads per KV head; anything else attends through the reference path."""
+        """The kernels take power-of-two page and head sizes of at least 64 (code planes 16 wide for
+        the tensor cores) and up to 64 query heads per KV head; anything else attends through the
+        reference path."""
         c, d = layer.config, layer.head_dim
-        pow2 = lambda x: x >= 16 and x & (x - 1) == 0  # noqa: E731
+        pow2 = lambda x: x >= 64 and x & (x - 1) == 0  # noqa: E731
         return c.quantize and pow2(c.group_size) and pow2(d) and query.shape[1] // layer.heads <= 64 and query.is_cuda
 
     def attend(self, layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs):

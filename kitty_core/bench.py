@@ -40,6 +40,17 @@ def cuda_time(fn, warmup: int = 3, iters: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graphed(fn):
+    """fn captured in a CUDA graph: replaying it costs the GPU work alone, without the host's
+    per-launch cost (Triton's Python launcher takes ~50 us a kernel, more than a small call runs)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Bytes per second of a device-to-device copy (read + write counted)."""
     x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -66,7 +77,8 @@ def synthetic_layer(method: str, batch: int, length: int, kv_heads: int, head_di
 
 def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
     """Per shape and boost rate: the fused kernel, the unfused qk -> softmax -> sv path and SDPA on an
-    FP16 cache of the same shape, timed in this process; bytes the fused kernel must read."""
+    FP16 cache of the same shape, timed in this process as CUDA-graph replays (GPU time; `*_eager_ms`:
+    plain calls, host launch cost included); bytes the fused kernel must read."""
     from kernels.decode import decode_attention, decode_attention_unfused
 
     bw_copy = copy_bandwidth()
@@ -76,53 +88,57 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
         k16 = torch.randn(batch, kv_heads, length, head_dim, device="cuda", dtype=dtype)
         v16 = torch.randn_like(k16)
         scale = head_dim**-0.5
-        sdpa_ms = cuda_time(lambda: F.scaled_dot_product_attention(q, k16, v16, scale=scale, enable_gqa=True))
+        sdpa = lambda: F.scaled_dot_product_attention(q, k16, v16, scale=scale, enable_gqa=True)  # noqa: E731
+        sdpa_ms, sdpa_eager_ms = cuda_time(graphed(sdpa)), cuda_time(sdpa)
         sdpa_bytes = 2 * k16.numel() * k16.element_size()
-        del k16, v16
+        del k16, v16, sdpa
         for boost in boosts:
             layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
             state, ws = layer.kernel_state(), {}
-            fused_ms = cuda_time(lambda: decode_attention(layer, q, scale, ws, state))
-            unfused_ms = cuda_time(lambda: decode_attention_unfused(layer, q, scale, state))
+            fused = lambda: decode_attention(layer, q, scale, ws, state)  # noqa: E731
+            unfused = lambda: decode_attention_unfused(layer, q, scale, state)  # noqa: E731
+            fused_ms, unfused_ms = cuda_time(graphed(fused)), cuda_time(graphed(unfused))
+            fused_eager_ms = cuda_time(fused)
             parts = layer.nbytes()
             read = sum(parts.values()) + q.numel() * q.element_size()
             rows.append({
                 "batch": batch, "length": length, "boost_rate": boost,
                 "fused_ms": fused_ms, "unfused_ms": unfused_ms, "sdpa_fp16_ms": sdpa_ms,
                 "fused_vs_sdpa": sdpa_ms / fused_ms, "fused_vs_unfused": unfused_ms / fused_ms,
+                "fused_eager_ms": fused_eager_ms, "sdpa_eager_ms": sdpa_eager_ms,
                 "fused_bytes": read, "fused_TBps": read / fused_ms / 1e9, "sdpa_TBps": sdpa_bytes / sdpa_ms / 1e9,
                 "copy_TBps": bw_copy / 1e12,
             })
             print(pd.DataFrame(rows[-1:]).to_string(index=False, header=len(rows) == 1, float_format=lambda x: f"{x:.3f}"),
                   flush=True)
-            del layer, state, ws
+            del layer, state, ws, fused, unfused
             torch.cuda.empty_cache()
     return pd.DataFrame(rows)
 
 
 def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
-    """Fused kernel time over launch settings (pages per program, warps, stages, fp16 conversion)."""
+    """Fused kernel GPU time over launch settings (pages per program, warps, stages, register cap)."""
     from kernels.decode import decode_attention
 
     batch, length = shape
     layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
     q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
     state, rows = layer.kernel_state(), []
-    for ppp in (2, 4, 8, 16):
+    for ppp in (4, 8, 16):
         for warps in (4, 8):
-            for stages in (1, 2, 3):
-                for bias in (True, False):
+            for stages in (2, 3):
+                for regs in (None, 128):
                     ws = {}
-                    ms = cuda_time(lambda: decode_attention(layer, q, 0.088, ws, state, ppp, warps, stages, bias),
-                                   iters=10)
+                    ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state, ppp, warps, stages,
+                                                                    max_registers=regs)), iters=10)
                     rows.append({"batch": batch, "length": length, "ppp": ppp, "warps": warps, "stages": stages,
-                                 "bias": bias, "ms": ms})
+                                 "max_registers": regs or "-", "ms": ms})
     return pd.DataFrame(rows).sort_values("ms")
 
 
 def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, **launch) -> pd.DataFrame:
-    """Where the fused kernel's time goes: the full kernel, keys only, unpacking without dots, and
-    plain loads of the same packed bytes (diagnostic variants of the page loop), one shape."""
+    """Where the fused kernel's GPU time goes: the full kernel, keys only, and plain loads of the same
+    packed planes (diagnostic variants of the page loop), one shape."""
     from kernels.decode import decode_attention
 
     batch, length = shape
@@ -130,9 +146,9 @@ def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.
     q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
     state, rows = layer.kernel_state(), []
     read = sum(layer.nbytes().values())
-    for mode, what in enumerate(("full kernel", "keys only", "unpack, no dots", "packed bytes, plain loads")):
+    for mode, what in enumerate(("full kernel", "keys only", "packed planes, plain loads")):
         ws = {}
-        ms = cuda_time(lambda: decode_attention(layer, q, 0.088, ws, state, ablate=mode, **launch))
+        ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state, ablate=mode, **launch)))
         rows.append({"batch": batch, "length": length, "variant": what, "ms": ms, "TBps_of_cache": read / ms / 1e9})
     return pd.DataFrame(rows)
 
@@ -242,8 +258,7 @@ def main(argv=None) -> int:
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     if a.ablate:
         for shape in shapes:
-            for warps in (4, 8):
-                print(ablate(shape, num_warps=warps, num_stages=1).assign(warps=warps).to_string(index=False), flush=True)
+            print(ablate(shape).to_string(index=False), flush=True)
         return 0
     if a.sweep:
         for shape in shapes:
