@@ -3,11 +3,13 @@ baseline of the same shape.
 
     python -m kitty_core.bench kernels --shapes 64x8192,8x32768,1x131072 --boost 0,0.125,0.25
     python -m kitty_core.bench e2e --model random:qwen3-8b --prompt 512 --generate 8192 --out e2e.json
+    python -m kitty_core.bench app      # the lab in chromium: first and later render of every page
 
 `kernels`: decode attention alone (fused, unfused, SDPA on FP16), with the bandwidth it implies next
 to a device-to-device copy. `e2e`: a whole model generating (`kitty_core.throughput`): per cache the
 largest batch that fits, peak memory, prefill time and decode throughput at that batch and at an
-equal batch.
+equal batch. `app`: seconds until each page of a freshly started lab has rendered in chromium, on
+the first visit and on later ones.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -153,6 +156,35 @@ def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.
     return pd.DataFrame(rows)
 
 
+def time_app(chromium: str, log: Path, visits: int = 2) -> pd.DataFrame:
+    """Seconds from opening each page of a freshly started lab (demo model) until its script has
+    finished, in one tab, moving through the sidebar's navigation as a user does, visit after visit:
+    the first visit pays for loading the model and the page's analyses, later ones find them in
+    Streamlit's caches."""
+    from playwright.sync_api import sync_playwright
+
+    from .browser import PAGES, serve_app, settle
+
+    rows = []
+    with serve_app(log) as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        for visit in range(1, visits + 1):
+            for path, title in PAGES:
+                start = time.time()
+                if visit == 1 and not path:
+                    page.goto(url)
+                else:
+                    page.locator('[data-testid="stSidebarNav"] a', has_text=title).first.click()
+                page.wait_for_url(f"{url}/{path}", timeout=60_000)
+                page.wait_for_selector(".js-plotly-plot", timeout=300_000)
+                done = settle(page, timeout_s=300, quiet_s=0.5)
+                rows.append({"page": title, "visit": visit, "seconds": done - start})
+                print(f"visit {visit} {title}: {done - start:.1f} s", flush=True)
+        browser.close()
+    return pd.DataFrame(rows)
+
+
 def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
     """Per cache: max batch, peak memory, throughput at max and at equal batch, and ratios against
     the transformers caches and the same-runtime FP16 baseline."""
@@ -249,9 +281,17 @@ def main(argv=None) -> int:
     e.add_argument("--start", type=int, default=8, help="first batch size of the doubling")
     e.add_argument("--validate", default="", help="CACHE:BATCH:TOKENS,... real generations to check the estimate")
     e.add_argument("--out", type=Path, default=None, help="JSON file")
+    w = sub.add_parser("app", help="seconds to first and later renders of every lab page in chromium")
+    w.add_argument("--chromium", default="/usr/bin/chromium")
+    w.add_argument("--visits", type=int, default=2)
+    w.add_argument("--log", type=Path, default=Path("/tmp/kitty-app-timing.log"), help="the server's output")
     a = p.parse_args(argv)
     if a.what == "e2e":
         return run_e2e(a)
+    if a.what == "app":
+        print(time_app(a.chromium, a.log, a.visits).pivot(index="page", columns="visit", values="seconds")
+              .round(1).to_string(), flush=True)
+        return 0
     if not torch.cuda.is_available():
         print("error: the kernel benchmark needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ prompt = st.text_area("Prompt", "Explain in three sentences why the sky is blue.
 cols = st.columns([3, 1])
 methods = cols[0].multiselect("Methods", sorted(set(PRESETS) - {"fp16"} | {frame.method}),
                               default=["kivi-k2v2", frame.method])
-new_tokens = int(cols[1].number_input("New tokens", 1, 1024, 48, 16))
+new_tokens = int(cols[1].number_input("New tokens", 1, 1024, 32, 16))
 
 
 @st.cache_resource

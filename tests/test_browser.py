@@ -3,24 +3,15 @@ every page, does one thing on it, and finds no exception on screen."""
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from kitty_core.browser import PAGE_PATHS, serve_app, settle
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SHOTS = Path(os.environ.get("KITTY_SCREENSHOTS", "/tmp/kitty-screenshots"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -28,31 +19,9 @@ def server():
     if not Path(CHROMIUM).exists():
         message = "Debian's chromium is needed for the browser test: apt-get install chromium"
         pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
-    port = _free_port()
     SHOTS.mkdir(parents=True, exist_ok=True)
-    log = open(SHOTS / "streamlit.log", "w")  # a file, not a pipe: an unread pipe would block the server
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port", str(port),
-         "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        try:
-            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("streamlit did not answer on /_stcore/health within 90 s:\n" + (SHOTS / "streamlit.log").read_text())
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    with serve_app(SHOTS / "streamlit.log") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -64,22 +33,6 @@ def browser():
             "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"])
         yield b
         b.close()
-
-
-def _settle(page, timeout_s: float = 240) -> None:
-    """Wait until the script has run to the end (the app's own script state), steadily for a second."""
-    app = page.locator('[data-testid="stApp"]')
-    app.wait_for(timeout=timeout_s * 1000)
-    deadline, quiet_since = time.time() + timeout_s, None
-    while time.time() < deadline:
-        if app.get_attribute("data-test-script-state") == "running":
-            quiet_since = None
-        elif quiet_since is None:
-            quiet_since = time.time()
-        elif time.time() - quiet_since > 1.0:
-            return
-        time.sleep(0.25)
-    raise AssertionError(f"the page was still running after {timeout_s:.0f} s")
 
 
 def _no_exception(page, name: str) -> None:
@@ -94,14 +47,15 @@ def _set_number(page, label: str, value: int) -> None:
     box.press("Enter")
 
 
-PAGES = [
-    ("", "overview", lambda p: _set_number(p, "KV memory budget (GiB)", 40)),
-    ("Key_statistics", "key_statistics", lambda p: _set_number(p, "Layer", 3)),
-    ("Sensitivity", "sensitivity", lambda p: _set_number(p, "KV head", 1)),
-    ("Boost_rate", "boost_rate", lambda p: p.get_by_role("radiogroup", name="Metric").get_by_text("perplexity").click()),
-    ("Generations", "generations", lambda p: _set_number(p, "New tokens", 8)),
-    ("Memory_and_throughput", "memory_and_throughput", lambda p: _run_sweep(p)),
+ACTIONS = [
+    ("overview", lambda p: _set_number(p, "KV memory budget (GiB)", 40)),
+    ("key_statistics", lambda p: _set_number(p, "Layer", 3)),
+    ("sensitivity", lambda p: _set_number(p, "KV head", 1)),
+    ("boost_rate", lambda p: p.get_by_role("radiogroup", name="Metric").get_by_text("perplexity").click()),
+    ("generations", lambda p: _set_number(p, "New tokens", 8)),
+    ("memory_and_throughput", lambda p: _run_sweep(p)),
 ]
+PAGES = [(path, name, action) for path, (name, action) in zip(PAGE_PATHS, ACTIONS)]
 
 
 def _run_sweep(page) -> None:
@@ -114,10 +68,12 @@ def test_page_in_chromium(server, browser, path, name, action):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(f"{server}/{path}")
     page.wait_for_selector(".js-plotly-plot", timeout=240_000)  # every page draws a chart from real data
-    _settle(page)
+    settle(page)
     _no_exception(page, name)
+    nav = page.locator('[data-testid="stSidebarNav"]').inner_text()
+    assert "Overview" in nav and "Memory and throughput" in nav, nav
     action(page)
     time.sleep(0.5)
-    _settle(page)
+    settle(page)
     _no_exception(page, f"{name}-after")
     page.close()
