@@ -73,4 +73,6 @@ def compare_generations(model, tokenizer, prompt: str, methods, max_new_tokens: 
         logp = continuation_logprobs(model, ids, n, m, engine)[0]
         kl = (fp16.exp() * (fp16 - logp)).sum(-1)
         kl_rows += [{"method": m, "step": i, "kl": float(v)} for i, v in enumerate(kl)]
-    return pd.DataFrame(rows), pd.DataFrame(kl_rows, columns=["method", "step", "kl"])
+    # nullable integers: None (never departs) beside positions must not turn them into floats
+    texts = pd.DataFrame(rows).astype({"first_divergence": "Int64"})
+    return texts, pd.DataFrame(kl_rows, columns=["method", "step", "kl"])

@@ -51,7 +51,7 @@ texts, kl = finished()[key]
 
 tok = frame.lm.tokenizer
 for row in texts.itertuples():
-    d = row.first_divergence
+    d = None if pd.isna(row.first_divergence) else int(row.first_divergence)
     with slots[row.method].container():
         if d is None:
             st.caption("same tokens as FP16")
