@@ -139,6 +139,28 @@ def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=
     return pd.DataFrame(rows).sort_values("ms")
 
 
+def pack_cost(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> dict:
+    """Packing against decoding, one shape: a page fills every G decode steps, when each sequence
+    packs G tokens of keys and values per layer. Share = pack / (G x fused decode step + pack)."""
+    from kernels import pack
+    from kernels.decode import decode_attention
+    from .quant import quantize_keys, quantize_values
+
+    batch, length = shape
+    layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
+    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+    state, ws, g = layer.kernel_state(), {}, layer.config.group_size
+    fused_ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state)))
+    x = torch.randn(batch, kv_heads, g, head_dim, device="cuda", dtype=dtype) * torch.linspace(
+        0.2, 4.0, head_dim, device="cuda", dtype=dtype)
+    nb = layer.n_boost
+    triton_ms = cuda_time(graphed(lambda: (pack.quantize_keys(x, nb), pack.quantize_values(x, 2))))
+    torch_ms = cuda_time(lambda: (quantize_keys(x, nb), quantize_values(x, 2)))
+    return {"batch": batch, "length": length, "boost_rate": boost, "fused_ms": fused_ms,
+            "pack_triton_ms": triton_ms, "pack_torch_ms": torch_ms,
+            "pack_share": triton_ms / (g * fused_ms + triton_ms), "pack_share_torch": torch_ms / (g * fused_ms + torch_ms)}
+
+
 def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, **launch) -> pd.DataFrame:
     """Where the fused kernel's GPU time goes: the full kernel, keys only, and plain loads of the same
     packed planes (diagnostic variants of the page loop), one shape."""
@@ -268,6 +290,7 @@ def main(argv=None) -> int:
     k.add_argument("--out", type=Path, default=None, help="CSV or JSON file")
     k.add_argument("--sweep", action="store_true", help="instead: time launch settings of the fused kernel")
     k.add_argument("--ablate", action="store_true", help="instead: time diagnostic variants of the fused kernel")
+    k.add_argument("--pack", action="store_true", help="instead: packing time against decode time")
     e = sub.add_parser("e2e", help="a whole model generating: max batch, memory, throughput per cache")
     e.add_argument("--model", default="random:qwen3-8b", help="demo | hub id | path | random:qwen3-8b ...")
     e.add_argument("--device", default=None)
@@ -299,6 +322,9 @@ def main(argv=None) -> int:
     if a.ablate:
         for shape in shapes:
             print(ablate(shape).to_string(index=False), flush=True)
+        return 0
+    if a.pack:
+        print(pd.DataFrame([pack_cost(shape) for shape in shapes]).to_string(index=False), flush=True)
         return 0
     if a.sweep:
         for shape in shapes:

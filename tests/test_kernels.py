@@ -100,3 +100,30 @@ def test_dequantize_kernel_is_exact(n_boost, value_bits):
     kp, vp = quantize_keys(x, n_boost), quantize_values(x, value_bits)
     assert torch.equal(dequantize_pages(kp), dequantize_keys(kp))
     assert torch.equal(dequantize_pages(vp), dequantize_values(vp))
+
+
+@pytest.mark.parametrize("rule", ["magnitude", "range", "qk"])
+@pytest.mark.parametrize("n_boost", [0, 2, DIM // 4, DIM])
+def test_key_pack_kernel_gives_the_reference_pages(rule, n_boost):
+    from kernels.pack import quantize_keys
+    from kitty_core import quant
+
+    torch.manual_seed(n_boost)
+    x = (torch.randn(3, 2, GROUP, DIM, device=DEVICE) * torch.linspace(0.5, 4, DIM, device=DEVICE)).to(torch.bfloat16)
+    rms = torch.rand(1, 2, DIM, device=DEVICE)
+    got, want = quantize_keys(x, n_boost, rule, rms), quant.quantize_keys(x, n_boost, rule, None, rms)
+    for field in ("dense", "high", "boost_idx", "scale", "zero"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_value_pack_kernel_gives_the_reference_pages(bits):
+    from kernels.pack import quantize_values
+    from kitty_core import quant
+
+    torch.manual_seed(bits)
+    x = torch.randn(3, 2, GROUP, DIM, device=DEVICE, dtype=torch.float16).transpose(0, 1)  # strided input
+    x[0, 0, 1] = 0.5  # a constant token: scale 0, every code 0
+    got, want = quantize_values(x, bits), quant.quantize_values(x, bits)
+    for field in ("low", "high", "scale", "zero"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field

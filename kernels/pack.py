@@ -1,0 +1,172 @@
+"""Quantize-and-pack kernels: G tokens of FP16/bf16 keys or values -> the page format of
+`kitty_core.quant`, bit for bit what its PyTorch quantizers produce.
+
+One program per (page, KV head). The page is loaded as a [rows, 4, n/4] tile whose middle axis is
+the code plane (element j of a packed row sits in plane j // (n/4)), so a byte is the sum over that
+axis of `code << 2 * plane`, with no shuffle.
+
+keys    per-channel min/max over the page's tokens, the top-k channels by the selection rule
+        (a rank from pairwise comparisons, ties to the lower channel) get 15 levels, the others 3;
+        dense plane = low 2 bits of every channel, high plane = high 2 bits of the boosted
+        channels in ascending channel order (row = running count of boosted channels).
+values  per-token min/max over the channels, 3 or 15 levels.
+
+Rounding matches torch exactly: the division is IEEE (`div_rn`), and round-half-to-even comes from
+adding and subtracting 1.5 * 2**23, which leaves an fp32 number its nearest integer.
+
+Tested bit for bit against the torch quantizers in Triton's interpreter. The Triton engine still
+packs in torch: these kernels have not yet been compiled and timed on a GPU
+(`python -m kitty_core.bench kernels --pack` does both).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kitty_core.quant import KeyPages, ValuePages
+
+RULES = {"magnitude": 0, "range": 1, "qk": 2}  # channel scores the key kernel computes itself
+
+
+@triton.jit
+def _round_even(y):
+    return (y + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _codes(x, lo, scale, levels):
+    """x [.., 4, n/4] fp32, per-row fp16-rounded zero `lo` and `scale`, `levels` -> int32 codes."""
+    y = tl.math.div_rn(x - lo, tl.maximum(scale, 1e-30))
+    y = tl.minimum(tl.maximum(_round_even(y), 0.0), levels)
+    return tl.where(scale > 0, y, 0.0).to(tl.int32)
+
+
+@triton.jit
+def _bytes(codes, SHIFT: tl.constexpr):
+    """Bits SHIFT, SHIFT + 1 of codes [rows, 4, n/4] -> packed bytes [rows, n/4]."""
+    plane = tl.arange(0, 4)[None, :, None]
+    return tl.sum(((codes >> SHIFT) & 3) << (2 * plane), 1).to(tl.uint8)
+
+
+@triton.jit
+def _pack_keys_kernel(X, sXn, sXh, sXt, sXd, QR, sQRn, sQRh,
+                      KD, KH, KI, KSC, KZ, sKDn, sKDh, sKDd, sKHn, sKHh, sKHr, sKIn, sKIh,
+                      H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, RULE: tl.constexpr):
+    G4: tl.constexpr = G // 4
+    n = tl.program_id(0) // H
+    h = tl.program_id(0) % H
+    d = tl.arange(0, D)
+    p = tl.arange(0, 4)
+    g = tl.arange(0, G4)
+    tok = p[None, :, None] * G4 + g[None, None, :]
+    x = tl.load(X + n * sXn + h * sXh + d[:, None, None] * sXd + tok * sXt).to(tl.float32)  # [D, 4, G/4]
+    lo = tl.min(tl.min(x, 2), 1)
+    hi = tl.max(tl.max(x, 2), 1)
+    if NB == D:
+        boosted = d >= 0
+    elif NB == 0:
+        boosted = d < 0
+    else:
+        if RULE == 0:  # mean |k| (the sum ranks the same: G is a power of two)
+            score = tl.sum(tl.sum(tl.abs(x), 2), 1)
+        else:  # range, or range x query RMS
+            score = hi - lo
+            if RULE == 2:
+                score = score * tl.load(QR + n * sQRn + h * sQRh + d).to(tl.float32)
+        # rank = channels scoring higher, or equal and earlier; the top NB are boosted
+        si, sj = score[:, None], score[None, :]
+        ahead = (sj > si) | ((sj == si) & (d[None, :] < d[:, None]))
+        boosted = tl.sum(ahead.to(tl.int32), 1) < NB
+    levels = tl.where(boosted, 15.0, 3.0)
+    scale = tl.math.div_rn(hi - lo, levels).to(tl.float16)
+    zero = lo.to(tl.float16)
+    codes = _codes(x, zero.to(tl.float32)[:, None, None], scale.to(tl.float32)[:, None, None],
+                   levels[:, None, None])
+    tl.store(KD + n * sKDn + h * sKDh + d[:, None] * sKDd + g[None, :], _bytes(codes, 0))
+    row = tl.cumsum(boosted.to(tl.int32), 0) - 1
+    if NB > 0:
+        tl.store(KH + n * sKHn + h * sKHh + tl.where(boosted, row, 0)[:, None] * sKHr + g[None, :],
+                 _bytes(codes, 2), mask=boosted[:, None])
+    tl.store(KI + n * sKIn + h * sKIh + d, tl.where(boosted, row, NB).to(tl.uint8))
+    tl.store(KSC + n * sKIn + h * sKIh + d, scale)
+    tl.store(KZ + n * sKIn + h * sKIh + d, zero)
+
+
+@triton.jit
+def _pack_values_kernel(X, sXn, sXh, sXt, sXd, VL, VH, VSC, VZ, sVLn, sVLh, sVLt, sVSn, sVSh,
+                        H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, V4: tl.constexpr):
+    D4: tl.constexpr = D // 4
+    n = tl.program_id(0) // H
+    h = tl.program_id(0) % H
+    t = tl.arange(0, G)
+    c = tl.arange(0, D4)
+    chan = tl.arange(0, 4)[None, :, None] * D4 + c[None, None, :]
+    x = tl.load(X + n * sXn + h * sXh + t[:, None, None] * sXt + chan * sXd).to(tl.float32)  # [G, 4, D/4]
+    lo = tl.min(tl.min(x, 2), 1)
+    hi = tl.max(tl.max(x, 2), 1)
+    levels = tl.full((G,), 15.0 if V4 else 3.0, tl.float32)
+    scale = tl.math.div_rn(hi - lo, levels).to(tl.float16)
+    zero = lo.to(tl.float16)
+    codes = _codes(x, zero.to(tl.float32)[:, None, None], scale.to(tl.float32)[:, None, None],
+                   levels[:, None, None])
+    offs = n * sVLn + h * sVLh + t[:, None] * sVLt + c[None, :]
+    tl.store(VL + offs, _bytes(codes, 0))
+    if V4:
+        tl.store(VH + offs, _bytes(codes, 2))
+    tl.store(VSC + n * sVSn + h * sVSh + t, scale)
+    tl.store(VZ + n * sVSn + h * sVSh + t, zero)
+
+
+def supported(x: torch.Tensor, rule: str | None = None) -> bool:
+    """The kernels take power-of-two page and head sizes (>= 4) and the rules they can score."""
+    *_, g, d = x.shape
+    pow2 = lambda v: v >= 4 and v & (v - 1) == 0  # noqa: E731
+    return pow2(g) and pow2(d) and (rule is None or rule in RULES)
+
+
+def quantize_keys(keys: torch.Tensor, n_boost: int, rule: str = "magnitude",
+                  query_rms: torch.Tensor | None = None) -> KeyPages:
+    """keys [N, H, G, D] -> KeyPages, as `kitty_core.quant.quantize_keys` (rules: magnitude, range, qk)."""
+    n, h, g, d = keys.shape
+    if not 0 <= n_boost <= d:
+        raise ValueError(f"n_boost must be in [0, {d}], got {n_boost}")
+    if rule not in RULES:
+        raise ValueError(f"the pack kernel scores channels by {sorted(RULES)}, not {rule!r}")
+    if rule == "qk" and query_rms is None and 0 < n_boost < d:
+        raise ValueError("the qk rule needs the RMS of the queries per channel (query_rms)")
+    dev = keys.device
+    dense = torch.empty((n, h, d, g // 4), dtype=torch.uint8, device=dev)
+    high = torch.empty((n, h, n_boost, g // 4), dtype=torch.uint8, device=dev)
+    idx = torch.empty((n, h, d), dtype=torch.uint8, device=dev)
+    scale = torch.empty((n, h, d), dtype=torch.float16, device=dev)
+    zero = torch.empty_like(scale)
+    scored = rule == "qk" and 0 < n_boost < d
+    qr = query_rms.to(dev, torch.float32).expand(n, h, d) if scored else scale  # read only by the qk rule
+    if n:
+        _pack_keys_kernel[(n * h,)](
+            keys, *keys.stride(), qr, qr.stride(0), qr.stride(1),
+            dense, high if n_boost else dense, idx, scale, zero, *dense.stride()[:3], *high.stride()[:3], idx.stride(0), idx.stride(1),
+            H=h, D=d, G=g, NB=n_boost, RULE=RULES[rule])
+    return KeyPages(dense=dense, high=high, boost_idx=idx, scale=scale, zero=zero)
+
+
+def quantize_values(values: torch.Tensor, bits: int) -> ValuePages:
+    """values [N, H, G, D] -> ValuePages, as `kitty_core.quant.quantize_values`."""
+    if bits not in (2, 4):
+        raise ValueError(f"value bits must be 2 or 4, got {bits}")
+    n, h, g, d = values.shape
+    dev = values.device
+    low = torch.empty((n, h, g, d // 4), dtype=torch.uint8, device=dev)
+    high = torch.empty((n, h, g, d // 4 if bits == 4 else 0), dtype=torch.uint8, device=dev)
+    scale = torch.empty((n, h, g), dtype=torch.float16, device=dev)
+    zero = torch.empty_like(scale)
+    if n:
+        _pack_values_kernel[(n * h,)](
+            values, *values.stride(), low, high if bits == 4 else low, scale, zero, *low.stride()[:3],
+            scale.stride(0), scale.stride(1), H=h, D=d, G=g, V4=bits == 4)
+    return ValuePages(low=low, high=high, scale=scale, zero=zero)
+
+
+__all__ = ["quantize_keys", "quantize_values", "supported", "RULES"]
