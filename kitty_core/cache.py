@@ -79,6 +79,18 @@ class Fp16Region:
             self.buf[:, :, start : start + n] = x
             self.lens = [start + n] * len(self.lens)
 
+    def append_rows(self, rows: list[int], x: torch.Tensor) -> None:
+        """x [len(rows), H, D]: one token after the tokens of each listed sequence (own positions),
+        in one indexed write."""
+        if not rows:
+            return
+        self._reserve(max(self.lens[b] for b in rows) + 1)
+        dev = self.buf.device
+        pos = torch.tensor([self.lens[b] for b in rows], device=dev)
+        self.buf[torch.tensor(rows, device=dev), :, pos] = x
+        for b in rows:
+            self.lens[b] += 1
+
     def tokens(self, b: int) -> torch.Tensor:
         return self.buf[b, :, : self.lens[b]]
 
@@ -120,6 +132,12 @@ class PagePool:
         first = self.count - per * len(self.table)
         for b, ids in enumerate(self.table):
             ids.extend(range(first + b * per, first + (b + 1) * per))
+
+    def add_rows(self, rows: list[int], pages: KeyPages | ValuePages) -> None:
+        """pages [len(rows), ...]: one new page for each listed sequence."""
+        self._store(pages)
+        for i, b in enumerate(rows):
+            self.table[b].append(self.count - len(rows) + i)
 
     def _store(self, pages: KeyPages | ValuePages) -> None:
         n = next(iter(vars(pages).values())).shape[0]
@@ -239,6 +257,7 @@ class KittyLayer(CacheLayerMixin):
         self._view_k = self._view_v = None  # dense view for the reference engine, see dense_history
         self._clean = [0] * b
         self._tables = None  # device page tables for kernels, rebuilt when pages are added
+        self._pads = None  # (pads, the same on the device) for kernel_state
         # running sum of squared queries per sequence, KV head and channel (for selection="qk")
         self.q_energy = torch.zeros((b, h, d), dtype=torch.float32, device=self.device)
         self.q_count = torch.zeros((b, 1, 1), dtype=torch.float32, device=self.device)
@@ -285,10 +304,13 @@ class KittyLayer(CacheLayerMixin):
         token) a buffer may be left full, for `pack_full()` after attention.
 
         A batch without padding keeps every sequence in the same state: it is stored with whole-batch
-        tensor operations (one page per sequence packed in one call); a padded batch goes sequence by
-        sequence."""
+        tensor operations (one page per sequence packed in one call). In a padded batch the sequences
+        are in different states: a decode token is written to each sequence's own region and position
+        in one indexed write; a prefill goes sequence by sequence."""
         if not any(self.pad):
             self._insert_all(key_new, value_new, pack)
+        elif self.seen and key_new.shape[2] == 1 and not pack:
+            self._append_token_rows(key_new[:, :, 0], value_new[:, :, 0])
         else:
             for b in range(self.batch):
                 skip = self.pad[b] if self.seen == 0 else 0
@@ -305,10 +327,45 @@ class KittyLayer(CacheLayerMixin):
                 nothing = self.k_buffer.buf[:, :, :0]
                 self._insert_all(nothing, nothing, pack=True)
             return
-        for b in range(self.batch):
-            if self.k_buffer.lens[b] >= c.group_size or self.v_window.lens[b] >= c.local_window + c.group_size:
+        g, r = c.group_size, c.local_window
+        for b in range(self.batch):  # more than one token past a page boundary: the general path
+            if self.k_buffer.lens[b] > g or self.v_window.lens[b] > r + g:
                 nothing = self.k_buffer.buf[b, :, :0]
                 self._insert(b, nothing, nothing, pack=True)
+        keys = [b for b in range(self.batch) if self.k_buffer.lens[b] == g]
+        values = [b for b in range(self.batch) if self.v_window.lens[b] == r + g]
+        if keys:  # one page for each of these sequences, packed in one call
+            dev = self.device
+            for b in keys:
+                self._dirty(b, self.k_sink.lens[b] + len(self.k_pages.table[b]) * g)
+            rms = None
+            if c.selection == "qk":
+                idx = torch.tensor(keys, device=dev)
+                rms = (self.q_energy[idx] / self.q_count[idx].clamp_min(1)).sqrt()
+            pages = self.k_buffer.buf[torch.tensor(keys, device=dev)]  # [n, H, G, D]
+            self.k_pages.add_rows(keys, self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator, rms))
+            for b in keys:
+                self.k_buffer.clear(b)
+        if values:  # the oldest G values of each full window become a page; the newest R move up
+            idx = torch.tensor(values, device=self.device)
+            for b in values:
+                self._dirty(b, self.v_sink.lens[b] + len(self.v_pages.table[b]) * g)
+            window = self.v_window.buf[idx]  # [n, H, R + G, D]
+            self.v_pages.add_rows(values, self.engine.quantize_values(window[:, :, :g], c.value_bits))
+            self.v_window.buf[idx, :, :r] = window[:, :, g:]
+            for b in values:
+                self.v_window.lens[b] = r
+
+    def _append_token_rows(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One decode token per sequence, k, v [B, H, D], not packed: into the sink while it has room,
+        else into the key q-buffer and the value window."""
+        to_sink = [b for b in range(self.batch) if self.k_sink.room(b) > 0]
+        rest = [b for b in range(self.batch) if self.k_sink.room(b) <= 0]
+        for rows, kr, vr in ((to_sink, self.k_sink, self.v_sink), (rest, self.k_buffer, self.v_window)):
+            if rows:
+                pick = torch.tensor(rows, device=k.device) if len(rows) < self.batch else slice(None)
+                kr.append_rows(rows, k[pick])
+                vr.append_rows(rows, v[pick])
 
     def _track_queries(self, query: torch.Tensor) -> None:
         """Accumulate squared queries [B, Hq, t, D] per KV head and channel, pads excluded."""
@@ -412,14 +469,15 @@ class KittyLayer(CacheLayerMixin):
     def kernel_state(self) -> dict:
         """What a decode kernel reads: FP16 regions, page pools, page tables and per-sequence counts."""
         c, dev = self.config, self.device
-        lens = [self.seen] if not any(self.pad) else [self.tokens(b) for b in range(self.batch)]
-        slots = -(-max(max(lens) - c.sink, 0) // c.group_size)
+        slots = -(-max(self.seen - min(self.pad) - c.sink, 0) // c.group_size)
         version = (self.k_pages.count, self.v_pages.count)
         if self._tables is None or self._tables[0] != version:
             self._tables = (version, self._page_tables())
         tables = self._tables[1]
-        lens_t = (torch.full((self.batch,), lens[0], dtype=torch.int32, device=dev) if not any(self.pad)
-                  else torch.tensor(lens, dtype=torch.int32, device=dev))
+        # lengths on the device from the pads kept there: no host list, no copy per step
+        if self._pads is None or self._pads[0] != self.pad:
+            self._pads = (list(self.pad), torch.tensor(self.pad, dtype=torch.int32, device=dev))
+        lens_t = self.seen - self._pads[1]
         def store(pool, kind):
             if pool.store is not None:
                 return pool.store
@@ -439,13 +497,7 @@ class KittyLayer(CacheLayerMixin):
         dev = self.device
         slots = max(1, max(len(t) for t in self.k_pages.table))
         def table(pool):
-            t = torch.zeros((self.batch, slots), dtype=torch.int32)
-            if pool.count and not any(self.pad):
-                t[:, : len(pool.table[0])] = torch.tensor(pool.table, dtype=torch.int32)
-            else:
-                for b, ids in enumerate(pool.table):
-                    t[b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-            return t.to(dev)
+            return torch.tensor([ids + [0] * (slots - len(ids)) for ids in pool.table], dtype=torch.int32).to(dev)
         count = lambda pool: torch.tensor([len(t) for t in pool.table], dtype=torch.int32, device=dev)  # noqa: E731
         return {"n_kpages": count(self.k_pages), "n_vpages": count(self.v_pages),
                 "k_table": table(self.k_pages), "v_table": table(self.v_pages)}

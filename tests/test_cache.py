@@ -216,3 +216,36 @@ def test_whole_batch_path_equals_sequence_by_sequence(spec):
             assert torch.equal(x, y)
     state = fast.kernel_state()
     assert state["k_table"].tolist() == [ids + [0] * (state["k_table"].shape[1] - len(ids)) for ids in slow.k_pages.table]
+
+
+@pytest.mark.parametrize("spec", ["kitty-pro", "kitty+selection=qk", "k2v4-sink", "kivi-k2v2", "fp16"])
+def test_padded_decode_steps_equal_sequence_by_sequence(spec):
+    """Decode steps of a padded batch write each sequence's token at its own position in one indexed
+    write, and pack the sequences whose buffers filled in one call; the result must be what the
+    sequence-by-sequence path stores, while some sequences still fill their sink and others pack."""
+    torch.manual_seed(1)
+    config = parse_method(spec + "+sink=5+group_size=16+local_window=16")
+    fast, slow = (KittyLayer(config, ReferenceEngine()) for _ in range(2))
+    b, h, d, t = 3, 2, 16, 40
+    pad = [37, 0, 20]  # 3, 40 and 20 real prompt tokens: the first is still in its sink
+    energy = torch.rand(b, h, d)  # as if queries had been seen (selection=qk)
+    for layer in (fast, slow):
+        layer.lazy_initialization(torch.zeros(b, h, 0, d), torch.zeros(b, h, 0, d))
+        layer.pad = list(pad)
+        layer.q_energy += energy
+        layer.q_count += 3
+    k, v = torch.randn(b, h, t, d), torch.randn(b, h, t, d)
+    fast.insert(k, v)
+    slow.insert(k, v)
+    for _ in range(40):  # crosses page boundaries of every sequence at different steps
+        k, v = torch.randn(b, h, 1, d), torch.randn(b, h, 1, d)
+        fast.insert(k, v, pack=False)
+        fast.pack_full()
+        for i in range(b):
+            slow._insert(i, k[i], v[i], True)
+        slow.seen += 1
+    assert fast.nbytes() == slow.nbytes()
+    assert fast.k_pages.table == slow.k_pages.table and fast.v_pages.table == slow.v_pages.table
+    for i in range(b):
+        for x, y in zip(fast.sequence_history(i, torch.float32), slow.sequence_history(i, torch.float32)):
+            assert torch.equal(x, y)
