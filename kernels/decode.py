@@ -446,7 +446,7 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     consts = dict(**_constants(layer, query), PPP=ppp, NT=nt, BIAS=bias, ABLATE=ablate)
     # two launches: the FP16 sink and tail would otherwise size every page program's registers and
     # shared memory, and so how many of them an SM holds
-    _decode_tail_kernel[(b * layer.heads, 1 + nt)](*args, **consts)
+    _decode_tail_kernel[(b * layer.heads, 1 + nt)](*args, **{**consts, "PPP": 1, "ABLATE": 0})  # neither is read
     launch = dict(num_warps=num_warps, num_stages=num_stages)
     if max_registers and q.is_cuda:
         launch["maxnreg"] = max_registers

@@ -148,7 +148,7 @@ def quantize_keys(keys: torch.Tensor, n_boost: int, rule: str = "magnitude",
         _pack_keys_kernel[(n * h,)](
             keys, *keys.stride(), qr, qr.stride(0), qr.stride(1),
             dense, high if n_boost else dense, idx, scale, zero, *dense.stride()[:3], *high.stride()[:3], idx.stride(0), idx.stride(1),
-            H=h, D=d, G=g, NB=n_boost, RULE=RULES[rule])
+            H=h, D=d, G=g, NB=n_boost, RULE=RULES[rule], num_warps=8)
     return KeyPages(dense=dense, high=high, boost_idx=idx, scale=scale, zero=zero)
 
 
@@ -165,7 +165,7 @@ def quantize_values(values: torch.Tensor, bits: int) -> ValuePages:
     if n:
         _pack_values_kernel[(n * h,)](
             values, *values.stride(), low, high if bits == 4 else low, scale, zero, *low.stride()[:3],
-            scale.stride(0), scale.stride(1), H=h, D=d, G=g, V4=bits == 4)
+            scale.stride(0), scale.stride(1), H=h, D=d, G=g, V4=bits == 4, num_warps=8)
     return ValuePages(low=low, high=high, scale=scale, zero=zero)
 
 
