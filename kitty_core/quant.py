@@ -18,8 +18,8 @@ Bit order: a packed row of n codes is four planes of n/4 codes. Element j sits i
 bits 2 * (j // (n/4)): byte i holds elements i, i + n/4, i + n/2, i + 3n/4 (shifts 0, 2, 4, 6, as in
 the paper's Algorithm 1). Keys pack along tokens (a byte holds four tokens of one channel, G/4
 apart), values along channels. Planes of contiguous elements, rather than four neighbours per byte,
-let a kernel read a page as one natural-order tile: column j loads byte j % (n/4) and shifts by
-2 * (j // (n/4)), with no shuffle of the unpacked values.
+let a kernel take a page's bytes in one load and use each plane, `(byte >> 2p) & 3`, as the code
+tile of a contiguous quarter of the tokens (keys) or channels (values), with no shuffle.
 
 Codes are computed against the FP16-rounded scale and zero that are stored, so dequantizing a page
 reproduces exactly what the page encodes; the error of each element is at most scale / 2.
