@@ -293,8 +293,8 @@ class KittyLayer(CacheLayerMixin):
     def attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
         """Attend over history + the new tokens (FP16), then insert them and pack full buffers."""
         t = key_new.shape[2]
-        if self.seen == 0:
-            self.pad = padding_from_mask(attention_mask, self.batch, t)
+        if self.seen == 0 or (t > 1 and self.seen in self.pad):
+            self._extend_padding(attention_mask, t)
         if self.config.selection == "qk":
             self._track_queries(query)
         return self.engine.attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
@@ -313,7 +313,7 @@ class KittyLayer(CacheLayerMixin):
             self._append_token_rows(key_new[:, :, 0], value_new[:, :, 0])
         else:
             for b in range(self.batch):
-                skip = self.pad[b] if self.seen == 0 else 0
+                skip = min(max(self.pad[b] - self.seen, 0), key_new.shape[2])  # pads of this chunk
                 self._insert(b, key_new[b, :, skip:], value_new[b, :, skip:], pack)
         self.seen += key_new.shape[2]
 
@@ -367,11 +367,24 @@ class KittyLayer(CacheLayerMixin):
                 kr.append_rows(rows, k[pick])
                 vr.append_rows(rows, v[pick])
 
+    def _extend_padding(self, mask, t: int) -> None:
+        """Left pads from the mask of a prompt, or of a chunk of it (transformers' `prefill_chunk_size`):
+        a sequence whose chunks so far were all padding carries on counting in the next one."""
+        lead = leading_pads(mask, self.batch, t)
+        if self.seen == 0:
+            self.pad = lead
+            return
+        for b in range(self.batch):
+            if self.pad[b] == self.seen:
+                self.pad[b] += lead[b]
+            elif lead[b]:
+                raise ValueError(_LEFT_PADDING)
+
     def _track_queries(self, query: torch.Tensor) -> None:
         """Accumulate squared queries [B, Hq, t, D] per KV head and channel, pads excluded."""
         b, hq, t, d = query.shape
         q2 = query.float().pow(2).reshape(b, self.heads, hq // self.heads, t, d)
-        skip = torch.tensor(self.pad if self.seen == 0 else [0] * b, device=query.device)
+        skip = torch.tensor([min(max(p - self.seen, 0), t) for p in self.pad], device=query.device)
         real = (torch.arange(t, device=query.device)[None] >= skip[:, None]).float()  # [B, t]
         self.q_energy += torch.einsum("bhrtd,bt->bhd", q2, real)
         self.q_count += (real.sum(1) * (hq // self.heads)).reshape(b, 1, 1)
@@ -580,8 +593,14 @@ def _flatten_pages(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).reshape(h, n * g, d)
 
 
-def padding_from_mask(mask: torch.Tensor | None, batch: int, length: int) -> list[int]:
-    """Left-padding per sequence from the 4D mask of a prefill (its last query row sees every real token)."""
+_LEFT_PADDING = ("KittyCache expects left padding (pads first, then the real tokens); "
+                 "set tokenizer.padding_side = 'left'")
+
+
+def leading_pads(mask: torch.Tensor | None, batch: int, length: int) -> list[int]:
+    """Pads at the start of each sequence's `length` new tokens, from the 4D mask of a prefill (its
+    last query row sees every real token). All `length` may be pads (a chunk of a longer prompt);
+    a pad after a real token is an error."""
     if mask is None:
         return [0] * batch
     row = mask[:, 0, -1, -length:]
@@ -590,11 +609,8 @@ def padding_from_mask(mask: torch.Tensor | None, batch: int, length: int) -> lis
     pads = []
     for b in range(batch):
         n_pad = int((~allowed[b]).sum())
-        if n_pad >= length or bool((~allowed[b, n_pad:]).any()):
-            raise ValueError(
-                "KittyCache expects left padding (pads first, then at least one real token); "
-                "set tokenizer.padding_side = 'left'"
-            )
+        if bool((~allowed[b, n_pad:]).any()):
+            raise ValueError(_LEFT_PADDING)
         pads.append(n_pad)
     return pads
 

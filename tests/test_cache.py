@@ -148,6 +148,23 @@ def test_padded_batch_equals_single_runs(demo, method):
         assert torch.equal(batch[i, n:], single[0, one.input_ids.shape[1]:]), f"sequence {i} differs"
 
 
+def test_chunked_prefill_with_pads_longer_than_a_chunk(demo):
+    """transformers' prefill_chunk_size feeds a long padded prompt in chunks: a sequence whose first
+    chunks are all padding keeps counting its pads, and FP16 generates exactly as unchunked."""
+    tok, model = demo.tokenizer, demo.model
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    pads = (enc.attention_mask == 0).sum(1).tolist()
+    assert max(pads) > 2 * 64  # some sequence is all padding for two chunks
+    for method in ("fp16", "kitty-pro"):
+        whole, chunked = KittyCache(model, method), KittyCache(model, method)
+        a = model.generate(**enc, **kw, past_key_values=whole)
+        b = model.generate(**enc, **kw, past_key_values=chunked, prefill_chunk_size=64)
+        assert chunked.layers[0].pad == whole.layers[0].pad == pads
+        if method == "fp16":
+            assert torch.equal(a, b)
+
+
 def test_bytes_per_token_at_8k_match_the_formula(demo):
     """kitty-pro on the demo model (3 KV heads, D=64, G=128), 8192 tokens: pages cost the DESIGN formula."""
     model = demo.model
