@@ -37,6 +37,23 @@ import triton.language as tl
 # planes
 
 
+def _unpack_ptx(plane: int, high: bool) -> str:
+    """PTX for four packed bytes ($2, and the high-bit bytes $3) -> the fp16 bit patterns of
+    1024 + code of their plane `plane`, two per register ($0: bytes 0, 1; $1: bytes 2, 3).
+    Four codes cost a shift, a mask and two byte permutes, where element-wise integer code spends
+    about five instructions on each one."""
+    lines = [f"shr.b32 a, $2, {2 * plane};", "and.b32 a, a, 0x03030303;"]
+    if high:
+        lines += [f"shr.b32 b, $3, {2 * plane};", "and.b32 b, b, 0x03030303;", "shl.b32 b, b, 2;", "or.b32 a, a, b;"]
+    # prmt picks bytes of {a, 0x64646464}: selector nibble 0-3 a byte of a, 4 the constant 0x64
+    lines += ["prmt.b32 $0, a, 0x64646464, 0x4140;", "prmt.b32 $1, a, 0x64646464, 0x4342;"]
+    return "{ .reg .b32 a, b; " + " ".join(lines) + " }"
+
+
+_PTX_LOW0, _PTX_LOW1, _PTX_LOW2, _PTX_LOW3 = [tl.constexpr(_unpack_ptx(p, False)) for p in range(4)]
+_PTX_FULL0, _PTX_FULL1, _PTX_FULL2, _PTX_FULL3 = [tl.constexpr(_unpack_ptx(p, True)) for p in range(4)]
+
+
 @triton.jit
 def _to_f16(codes, BIAS: tl.constexpr):
     """Integer codes in [0, 15] -> fp16: 1024 + code by bit pattern (BIAS) or code by conversion."""
@@ -52,16 +69,44 @@ def _plane(raw, P: tl.constexpr):
 
 
 @triton.jit
+def _ptx(raw, hraw, ASM: tl.constexpr, HIGH: tl.constexpr):
+    if HIGH:
+        return tl.inline_asm_elementwise(ASM, "=r,=r,r,r", [raw, hraw], dtype=tl.float16, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(ASM, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _ptx_plane(raw, hraw, P: tl.constexpr, HIGH: tl.constexpr):
+    """fp16 1024 + code of plane P of the bytes raw (| the high bits of hraw << 2), four at a time."""
+    if P == 0:
+        return _ptx(raw, hraw, _PTX_FULL0 if HIGH else _PTX_LOW0, HIGH)
+    elif P == 1:
+        return _ptx(raw, hraw, _PTX_FULL1 if HIGH else _PTX_LOW1, HIGH)
+    elif P == 2:
+        return _ptx(raw, hraw, _PTX_FULL2 if HIGH else _PTX_LOW2, HIGH)
+    return _ptx(raw, hraw, _PTX_FULL3 if HIGH else _PTX_LOW3, HIGH)
+
+
+@triton.jit
+def _plane_f16(raw, P: tl.constexpr, BIAS: tl.constexpr):
+    """Plane P of packed bytes as fp16 operands: codes (BIAS 0), or 1024 + code built per element
+    (BIAS 1) or four codes at a time in PTX (BIAS 2, CUDA only)."""
+    if BIAS == 2:
+        return _ptx_plane(raw, raw, P, False)
+    return _to_f16(_plane(raw, P), BIAS)
+
+
+@triton.jit
 def _key_plane_scores(qk, qb, raw, hraw, P: tl.constexpr, NB: tl.constexpr, BIAS: tl.constexpr):
     """Scores [R, G/4] of the tokens of plane P: low codes, plus the boosted channels' high codes."""
-    s = tl.dot(qk, _to_f16(_plane(raw, P), BIAS))
+    s = tl.dot(qk, _plane_f16(raw, P, BIAS))
     if NB > 0:
-        s = tl.dot(qb, _to_f16(_plane(hraw, P), BIAS), s)
+        s = tl.dot(qb, _plane_f16(hraw, P, BIAS), s)
     return s
 
 
 @triton.jit
-def _page_scores(q, KD, KH, KI, KSC, KZ, kbase, hbase, ibase, sKDd, sKHr, D: tl.constexpr, G: tl.constexpr,
+def _page_scores(q, KD, KH, KI, KSC, KZ, kbase, hbase, ibase, sKDd, sKDg, sKHr, sKHg, D: tl.constexpr, G: tl.constexpr,
                  NB: tl.constexpr, NB_P: tl.constexpr, BIAS: tl.constexpr):
     """Scores of the pre-scaled queries q [R, D] (fp32) against one head of a key page, as four
     tiles [R, G/4]: tile P holds tokens P*G/4 .. (P+1)*G/4 - 1, the page's code plane P.
@@ -74,10 +119,11 @@ def _page_scores(q, KD, KH, KI, KSC, KZ, kbase, hbase, ibase, sKDd, sKHr, D: tl.
     ks = tl.load(KSC + ibase + d).to(tl.float32)
     kz = tl.load(KZ + ibase + d).to(tl.float32)
     qk = (q * ks[None, :]).to(tl.float16)
-    shift = tl.sum(q * kz[None, :], 1)
-    if BIAS:
-        shift -= 1024.0 * tl.sum(qk.to(tl.float32), 1)
-    raw = tl.load(KD + kbase + d[:, None] * sKDd + g[None, :])
+    if BIAS:  # the zero and bias terms in one row sum
+        shift = tl.sum(q * kz[None, :] - 1024.0 * qk.to(tl.float32), 1)
+    else:
+        shift = tl.sum(q * kz[None, :], 1)
+    raw = tl.load(KD + kbase + d[:, None] * sKDd + g[None, :] * sKDg)
     qb = qk
     hraw = raw
     if NB > 0:
@@ -87,7 +133,7 @@ def _page_scores(q, KD, KH, KI, KSC, KZ, kbase, hbase, ibase, sKDd, sKHr, D: tl.
         qb = (tl.dot(qk, pick) * 4.0).to(tl.float16)  # exact: one nonzero term per column
         if BIAS:
             shift -= 1024.0 * tl.sum(qb.to(tl.float32), 1)
-        hraw = tl.load(KH + hbase + k[:, None] * sKHr + g[None, :], mask=(k < NB)[:, None], other=0)
+        hraw = tl.load(KH + hbase + k[:, None] * sKHr + g[None, :] * sKHg, mask=(k < NB)[:, None], other=0)
     s0 = _key_plane_scores(qk, qb, raw, hraw, 0, NB, BIAS) + shift[:, None]
     s1 = _key_plane_scores(qk, qb, raw, hraw, 1, NB, BIAS) + shift[:, None]
     s2 = _key_plane_scores(qk, qb, raw, hraw, 2, NB, BIAS) + shift[:, None]
@@ -97,6 +143,8 @@ def _page_scores(q, KD, KH, KI, KSC, KZ, kbase, hbase, ibase, sKDd, sKHr, D: tl.
 
 @triton.jit
 def _value_plane(raw, hraw, P: tl.constexpr, V4: tl.constexpr, BIAS: tl.constexpr):
+    if BIAS == 2:
+        return _ptx_plane(raw, hraw, P, V4)
     c = _plane(raw, P)
     if V4:
         c = c | (_plane(hraw, P) << 2)
@@ -104,21 +152,22 @@ def _value_plane(raw, hraw, P: tl.constexpr, V4: tl.constexpr, BIAS: tl.constexp
 
 
 @triton.jit
-def _page_values_part(p, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase, sVLt, T: tl.constexpr,
+def _page_values_part(p, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase, sVLt, sVLc, T: tl.constexpr,
                       D: tl.constexpr, G: tl.constexpr, V4: tl.constexpr, BIAS: tl.constexpr):
     """Add p [R, G/4] (the probabilities of tokens T*G/4 ..) times those tokens' values of one head
     of a value page to the channel-plane accumulators a0..a3 [R, D/4]; per-token scales folded
-    into p, the zero (and bias) terms into shift [R]."""
+    into p, the zero (and bias) terms into the tile shift [R, G/4] (summed over its columns once, at
+    the end: a row sum per page and quarter would cost shuffles across lanes)."""
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
     t = T * G4 + tl.arange(0, G4)
     vs = tl.load(VSC + sbase + t).to(tl.float32)
     vz = tl.load(VZ + sbase + t).to(tl.float32)
     pw = (p * vs[None, :]).to(tl.float16)
-    shift += tl.sum(p * vz[None, :], 1)
+    shift += p * vz[None, :]
     if BIAS:
-        shift -= 1024.0 * tl.sum(pw.to(tl.float32), 1)
-    offs = vbase + t[:, None] * sVLt + tl.arange(0, D4)[None, :]
+        shift -= 1024.0 * pw.to(tl.float32)
+    offs = vbase + t[:, None] * sVLt + tl.arange(0, D4)[None, :] * sVLc
     raw = tl.load(VL + offs)
     hraw = raw
     if V4:
@@ -216,8 +265,8 @@ def _decode_tail_kernel(
     KS, VS, sSb, sSh, sSt,
     KB, sKBb, sKBh, sKBt,
     VW, sVWb, sVWh, sVWt,
-    KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKHp, sKHh, sKHr, sKIp, sKIh,
-    VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVSp, sVSh,
+    KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKIp, sKIh,
+    VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVLc, sVSp, sVSh,
     KT, VT, sKT, sVT,
     LENS, NKP, NVP,
     M, L, ACC, sMb, sMh, sAb, sAh, sAc,
@@ -252,7 +301,7 @@ def _decode_tail_kernel(
             if c < tl.load(NKP + b):
                 page = tl.load(KT + b * sKT + c)
                 s0, s1, s2, s3 = _page_scores(q, KD, KH, KI, KSC, KZ, page * sKDp + h * sKDh, page * sKHp + h * sKHh,
-                                              page * sKIp + h * sKIh, sKDd, sKHr, D, G, NB, NB_P, BIAS)
+                                              page * sKIp + h * sKIh, sKDd, sKDg, sKHr, sKHg, D, G, NB, NB_P, BIAS)
                 s0 = _mask_part(s0, count, 0, G4)
                 s1 = _mask_part(s1, count, 1, G4)
                 s2 = _mask_part(s2, count, 2, G4)
@@ -279,8 +328,8 @@ def _decode_pages_kernel(
     KS, VS, sSb, sSh, sSt,
     KB, sKBb, sKBh, sKBt,
     VW, sVWb, sVWh, sVWt,
-    KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKHp, sKHh, sKHr, sKIp, sKIh,
-    VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVSp, sVSh,
+    KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKIp, sKIh,
+    VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVLc, sVSp, sVSh,
     KT, VT, sKT, sVT,
     LENS, NKP, NVP,
     M, L, ACC, sMb, sMh, sAb, sAh, sAc,
@@ -313,45 +362,58 @@ def _decode_pages_kernel(
         a1 = tl.zeros((REP_P, D4), tl.float32)
         a2 = tl.zeros((REP_P, D4), tl.float32)
         a3 = tl.zeros((REP_P, D4), tl.float32)
+        # the softmax denominator and the values' zero/bias terms stay [R, G/4] tiles, rescaled with
+        # the accumulators and summed over their columns once after the loop: per page, the only
+        # reduction across lanes is the row max
+        lt = tl.zeros((REP_P, G4), tl.float32)
+        shift = tl.zeros((REP_P, G4), tl.float32)
         # a fixed trip count: slots past the sequence's last page read page 0 and weigh nothing
         for i in range(PPP):
             live = first + i < n_vp
             kpage = tl.sum(tl.where(slots == i, kpages, 0))
             vpage = tl.sum(tl.where(slots == i, vpages, 0))
             if ABLATE == 2:  # diagnostic: the same planes, plain loads
-                kraw = tl.load(KD + kpage * sKDp + h * sKDh + d[:, None] * sKDd + tl.arange(0, G4)[None, :])
+                kraw = tl.load(KD + kpage * sKDp + h * sKDh + d[:, None] * sKDd + tl.arange(0, G4)[None, :] * sKDg)
                 vraw = tl.load(VL + vpage * sVLp + h * sVLh + tl.arange(0, G)[:, None] * sVLt
-                               + tl.arange(0, D4)[None, :])
+                               + tl.arange(0, D4)[None, :] * sVLc)
                 l_i += (tl.sum(tl.sum(kraw.to(tl.int32), 1), 0) + tl.sum(tl.sum(vraw.to(tl.int32), 1), 0)).to(tl.float32)
             else:
                 s0, s1, s2, s3 = _page_scores(q, KD, KH, KI, KSC, KZ, kpage * sKDp + h * sKDh,
-                                              kpage * sKHp + h * sKHh, kpage * sKIp + h * sKIh, sKDd, sKHr,
+                                              kpage * sKHp + h * sKHh, kpage * sKIp + h * sKIh, sKDd, sKDg, sKHr, sKHg,
                                               D, G, NB, NB_P, BIAS)
                 dead = float("-inf")
-                m_i, l_i, alpha, p0, p1, p2, p3 = _online_update4(
-                    m_i, l_i, tl.where(live, s0, dead), tl.where(live, s1, dead), tl.where(live, s2, dead),
-                    tl.where(live, s3, dead))
-                a0 = a0 * alpha[:, None]
-                a1 = a1 * alpha[:, None]
-                a2 = a2 * alpha[:, None]
-                a3 = a3 * alpha[:, None]
+                s0 = tl.where(live, s0, dead)
+                s1 = tl.where(live, s1, dead)
+                s2 = tl.where(live, s2, dead)
+                s3 = tl.where(live, s3, dead)
+                top = tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 1)
+                m_new = tl.maximum(m_i, top)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_safe)[:, None]
+                m_i = m_new
+                p0 = tl.exp(s0 - m_safe[:, None])
+                p1 = tl.exp(s1 - m_safe[:, None])
+                p2 = tl.exp(s2 - m_safe[:, None])
+                p3 = tl.exp(s3 - m_safe[:, None])
+                lt = lt * alpha + ((p0 + p1) + (p2 + p3))
+                a0 = a0 * alpha
+                a1 = a1 * alpha
+                a2 = a2 * alpha
+                a3 = a3 * alpha
+                shift = shift * alpha
                 if ABLATE == 0:
                     vbase = vpage * sVLp + h * sVLh
                     sbase = vpage * sVSp + h * sVSh
-                    shift = tl.zeros((REP_P,), tl.float32)
                     a0, a1, a2, a3, shift = _page_values_part(p0, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                              sbase, sVLt, 0, D, G, V4, BIAS)
+                                                              sbase, sVLt, sVLc, 0, D, G, V4, BIAS)
                     a0, a1, a2, a3, shift = _page_values_part(p1, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                              sbase, sVLt, 1, D, G, V4, BIAS)
+                                                              sbase, sVLt, sVLc, 1, D, G, V4, BIAS)
                     a0, a1, a2, a3, shift = _page_values_part(p2, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                              sbase, sVLt, 2, D, G, V4, BIAS)
+                                                              sbase, sVLt, sVLc, 2, D, G, V4, BIAS)
                     a0, a1, a2, a3, shift = _page_values_part(p3, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                              sbase, sVLt, 3, D, G, V4, BIAS)
-                    a0 += shift[:, None]
-                    a1 += shift[:, None]
-                    a2 += shift[:, None]
-                    a3 += shift[:, None]
-        acc = _cat4(a0, a1, a2, a3)
+                                                              sbase, sVLt, sVLc, 3, D, G, V4, BIAS)
+        l_i += tl.sum(lt, 1)
+        acc = _cat4(a0, a1, a2, a3) + tl.sum(shift, 1)[:, None]
     _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, NT + 1 + chunk, m_i, l_i, acc, REP, REP_P, D)
 
 
@@ -378,13 +440,25 @@ def _tail_slots(config) -> int:
     return -(-(config.local_window + config.group_size) // config.group_size)
 
 
-def _check(layer, query):
+def _check(layer, query, cuda: bool):
     d, g, rep = layer.head_dim, layer.config.group_size, query.shape[1] // layer.heads
-    least = 64 if query.is_cuda else 4  # tensor-core dots take planes >= 16 wide; the interpreter any
+    least = 64 if cuda else 4  # tensor-core dots take planes >= 16 wide; the interpreter any
     if g & (g - 1) or d & (d - 1) or min(g, d) < least:
         raise ValueError(f"the kernels need power-of-two group and head sizes >= {least}, got G={g}, D={d}")
     if rep > 64:
         raise ValueError(f"at most 64 query heads per KV head, got {rep}")
+
+
+UNPACK = {"convert": 0, "bits": 1, "ptx": 2}  # how codes become fp16 operands (the kernels' BIAS)
+
+
+def _bias(unpack: str | None, cuda: bool) -> int:
+    """`unpack`: "convert" (int -> fp16 conversions), "bits" (the 1024 + code bit pattern, per
+    element) or "ptx" (the same pattern four codes at a time; CUDA only). None: the fastest here."""
+    unpack = unpack or ("ptx" if cuda else "bits")
+    if unpack not in UNPACK or (unpack == "ptx" and not cuda):
+        raise ValueError(f"unpack must be one of {sorted(UNPACK)} ('ptx' on CUDA only), got {unpack!r}")
+    return UNPACK[unpack]
 
 
 def _kernel_args(layer, st):
@@ -395,12 +469,10 @@ def _kernel_args(layer, st):
         kb, kb.stride(0), kb.stride(1), kb.stride(2),
         vw, vw.stride(0), vw.stride(1), vw.stride(2),
         kp["dense"], kp["high"], kp["boost_idx"], kp["scale"], kp["zero"],
-        kp["dense"].stride(0), kp["dense"].stride(1), kp["dense"].stride(2),
-        kp["high"].stride(0), kp["high"].stride(1), kp["high"].stride(2),
+        *kp["dense"].stride(), *kp["high"].stride(),
         kp["scale"].stride(0), kp["scale"].stride(1),
         vp["low"], vp["high"], vp["scale"], vp["zero"],
-        vp["low"].stride(0), vp["low"].stride(1), vp["low"].stride(2),
-        vp["scale"].stride(0), vp["scale"].stride(1),
+        *vp["low"].stride(), vp["scale"].stride(0), vp["scale"].stride(1),
         st["k_table"], st["v_table"], st["k_table"].stride(0), st["v_table"].stride(0),
         st["lens"], st["n_kpages"], st["n_vpages"],
     )
@@ -414,17 +486,15 @@ def _constants(layer, query):
                 V4=c.value_bits == 4)
 
 
-def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
-                     state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 4,
-                     num_stages: int = 2, bias: bool = True, ablate: int = 0, max_registers: int | None = 128
-                     ) -> torch.Tensor:
-    """Attention of one new query token per sequence over a Kitty layer's state, fused.
-
-    query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16).
-    `state` is `layer.kernel_state()` (built here if not given); `workspace` keeps the partials.
-    `max_registers` caps the page kernel's registers per thread: uncapped it takes ~200, which lets
-    an SM hold two programs; at 128 it holds four, and runs ~20% faster on an H200."""
-    _check(layer, query)
+def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
+                    state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 4,
+                    num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
+                    max_registers: int | None = 128, cuda: bool | None = None):
+    """The fused step as kernel launches: ([(kernel, grid, args, options), ...], output tensor).
+    `cuda` (default: where the query is) picks the CUDA code paths; `kernels.compile` builds the
+    launches for a CUDA target on a machine without a GPU."""
+    cuda = query.is_cuda if cuda is None else cuda
+    _check(layer, query, cuda)
     st = state if state is not None else layer.kernel_state()
     b, hq, _, d = query.shape
     slots, nt = st["max_slots"], _tail_slots(layer.config)
@@ -443,19 +513,36 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     m, l, acc = ws["m"], ws["l"], ws["acc"]
     args = (q, q.stride(0), q.stride(1), *_kernel_args(layer, st),
             m, l, acc, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), scaling)
-    consts = dict(**_constants(layer, query), PPP=ppp, NT=nt, BIAS=bias, ABLATE=ablate)
+    consts = dict(**_constants(layer, query), PPP=ppp, NT=nt, BIAS=_bias(unpack, cuda), ABLATE=ablate)
     # two launches: the FP16 sink and tail would otherwise size every page program's registers and
     # shared memory, and so how many of them an SM holds
-    _decode_tail_kernel[(b * layer.heads, 1 + nt)](*args, **{**consts, "PPP": 1, "ABLATE": 0})  # neither is read
-    launch = dict(num_warps=num_warps, num_stages=num_stages)
-    if max_registers and q.is_cuda:
-        launch["maxnreg"] = max_registers
-    _decode_pages_kernel[(b * layer.heads, n_chunks - 1 - nt)](*args, **consts, **launch)
+    pages = dict(consts, num_warps=num_warps, num_stages=num_stages)
+    if max_registers and cuda:
+        pages["maxnreg"] = max_registers
     out = torch.empty((b, hq, 1, d), device=q.device, dtype=query.dtype)
-    _combine_kernel[(b * hq,)](
-        m, l, acc, out, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
-        out.stride(0), out.stride(1), HQ=hq, C=n_chunks, C_P=triton.next_power_of_2(n_chunks), D=d,
-    )
+    return [
+        (_decode_tail_kernel, (b * layer.heads, 1 + nt), args, dict(consts, PPP=1, ABLATE=0)),  # neither is read
+        (_decode_pages_kernel, (b * layer.heads, n_chunks - 1 - nt), args, pages),
+        (_combine_kernel, (b * hq,), (m, l, acc, out, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1),
+                                      acc.stride(2), out.stride(0), out.stride(1)),
+         dict(HQ=hq, C=n_chunks, C_P=triton.next_power_of_2(n_chunks), D=d)),
+    ], out
+
+
+def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
+                     state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 4,
+                     num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
+                     max_registers: int | None = 128) -> torch.Tensor:
+    """Attention of one new query token per sequence over a Kitty layer's state, fused.
+
+    query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16).
+    `state` is `layer.kernel_state()` (built here if not given); `workspace` keeps the partials.
+    `max_registers` caps the page kernel's registers per thread: uncapped it takes ~200, which lets
+    an SM hold two programs; at 128 it holds four, and runs ~20% faster on an H200."""
+    launches, out = decode_launches(layer, query, scaling, workspace, state, pages_per_program, num_warps,
+                                    num_stages, unpack, ablate, max_registers)
+    for kernel, grid, args, options in launches:
+        kernel[grid](*args, **options)
     return out
 
 
@@ -469,8 +556,8 @@ def _qk_kernel(
     KS, VS, sSb, sSh, sSt,
     KB, sKBb, sKBh, sKBt,
     VW, sVWb, sVWh, sVWt,
-    KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKHp, sKHh, sKHr, sKIp, sKIh,
-    VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVSp, sVSh,
+    KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKIp, sKIh,
+    VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVLc, sVSp, sVSh,
     KT, VT, sKT, sVT,
     LENS, NKP, NVP,
     SC, sSCb, sSCh,
@@ -504,7 +591,7 @@ def _qk_kernel(
         if slot < tl.load(NKP + b):
             page = tl.load(KT + b * sKT + slot)
             s0, s1, s2, s3 = _page_scores(q, KD, KH, KI, KSC, KZ, page * sKDp + h * sKDh, page * sKHp + h * sKHh,
-                                          page * sKIp + h * sKIh, sKDd, sKHr, D, G, NB, NB_P, BIAS)
+                                          page * sKIp + h * sKIh, sKDd, sKDg, sKHr, sKHg, D, G, NB, NB_P, BIAS)
         else:
             kb = b * sKBb + h * sKBh
             q16 = q.to(tl.float16)
@@ -525,8 +612,8 @@ def _sv_kernel(
     KS, VS, sSb, sSh, sSt,
     KB, sKBb, sKBh, sKBt,
     VW, sVWb, sVWh, sVWt,
-    KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKHp, sKHh, sKHr, sKIp, sKIh,
-    VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVSp, sVSh,
+    KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKIp, sKIh,
+    VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVLc, sVSp, sVSh,
     KT, VT, sKT, sVT,
     LENS, NKP, NVP,
     P, sPb, sPh, OUT, sOb, sOh, sOc,
@@ -567,20 +654,20 @@ def _sv_kernel(
                 a1 = tl.zeros((REP_P, D4), tl.float32)
                 a2 = tl.zeros((REP_P, D4), tl.float32)
                 a3 = tl.zeros((REP_P, D4), tl.float32)
-                shift = tl.zeros((REP_P,), tl.float32)
+                shift = tl.zeros((REP_P, G4), tl.float32)
                 pq = tl.load(row + tq, mask=keep, other=0.0)
                 a0, a1, a2, a3, shift = _page_values_part(pq, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase,
-                                                          sVLt, 0, D, G, V4, BIAS)
+                                                          sVLt, sVLc, 0, D, G, V4, BIAS)
                 pq = tl.load(row + G4 + tq, mask=keep, other=0.0)
                 a0, a1, a2, a3, shift = _page_values_part(pq, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase,
-                                                          sVLt, 1, D, G, V4, BIAS)
+                                                          sVLt, sVLc, 1, D, G, V4, BIAS)
                 pq = tl.load(row + 2 * G4 + tq, mask=keep, other=0.0)
                 a0, a1, a2, a3, shift = _page_values_part(pq, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase,
-                                                          sVLt, 2, D, G, V4, BIAS)
+                                                          sVLt, sVLc, 2, D, G, V4, BIAS)
                 pq = tl.load(row + 3 * G4 + tq, mask=keep, other=0.0)
                 a0, a1, a2, a3, shift = _page_values_part(pq, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase,
-                                                          sVLt, 3, D, G, V4, BIAS)
-                acc = _cat4(a0, a1, a2, a3) + shift[:, None]
+                                                          sVLt, sVLc, 3, D, G, V4, BIAS)
+                acc = _cat4(a0, a1, a2, a3) + tl.sum(shift, 1)[:, None]
             else:
                 t = tl.arange(0, G)
                 p = tl.load(row + t[None, :], mask=keep & (t < count)[None, :], other=0.0)
@@ -590,15 +677,15 @@ def _sv_kernel(
 
 
 def decode_attention_unfused(layer, query: torch.Tensor, scaling: float, state: dict | None = None,
-                             num_warps: int = 4, bias: bool = True) -> torch.Tensor:
+                             num_warps: int = 4, unpack: str | None = None) -> torch.Tensor:
     """The same attention as the paper runs it: scores to memory, torch softmax, weighted values."""
-    _check(layer, query)
+    _check(layer, query, query.is_cuda)
     st = state if state is not None else layer.kernel_state()
     b, hq, _, d = query.shape
     c, slots = layer.config, st["max_slots"]
     q = query[:, :, 0]
     scores = torch.empty((b, hq, c.sink + slots * c.group_size), device=q.device, dtype=torch.float32)
-    args, consts = _kernel_args(layer, st), _constants(layer, query)
+    args, consts, bias = _kernel_args(layer, st), _constants(layer, query), _bias(unpack, q.is_cuda)
     grid = (b * layer.heads, 1 + slots)
     _qk_kernel[grid](q, q.stride(0), q.stride(1), *args, scores, scores.stride(0), scores.stride(1), scaling,
                      **consts, BIAS=bias, num_warps=num_warps)
@@ -615,8 +702,8 @@ def decode_attention_unfused(layer, query: torch.Tensor, scaling: float, state: 
 
 
 @triton.jit
-def _dequant_pages_kernel(KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKHp, sKHh, sKHr, sKIp, sKIh,
-                          VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVSp, sVSh, O, sOp, sOh, sOt,
+def _dequant_pages_kernel(KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKIp, sKIh,
+                          VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVLc, sVSp, sVSh, O, sOp, sOh, sOt,
                           H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, V4: tl.constexpr,
                           KEYS: tl.constexpr):
     """One page and head per program, written as [G, D] float32 tokens."""
@@ -629,11 +716,11 @@ def _dequant_pages_kernel(KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKHp, sKHh, sKH
         d = tl.arange(0, D)
         g = tl.arange(0, G4)
         ibase = page * sKIp + h * sKIh
-        raw = tl.load(KD + page * sKDp + h * sKDh + d[:, None] * sKDd + g[None, :])  # [D, G/4]
+        raw = tl.load(KD + page * sKDp + h * sKDh + d[:, None] * sKDd + g[None, :] * sKDg)  # [D, G/4]
         hraw = tl.zeros_like(raw)
         if NB > 0:  # the high plane row of every channel, through the boost index
             idx = tl.load(KI + ibase + d).to(tl.int32)
-            hraw = tl.load(KH + page * sKHp + h * sKHh + tl.where(idx < NB, idx, 0)[:, None] * sKHr + g[None, :],
+            hraw = tl.load(KH + page * sKHp + h * sKHh + tl.where(idx < NB, idx, 0)[:, None] * sKHr + g[None, :] * sKHg,
                            mask=(idx < NB)[:, None], other=0)
         sc = tl.load(KSC + ibase + d).to(tl.float32)[:, None]
         z = tl.load(KZ + ibase + d).to(tl.float32)[:, None]
@@ -645,7 +732,7 @@ def _dequant_pages_kernel(KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKHp, sKHh, sKH
         t = tl.arange(0, G)
         c = tl.arange(0, D4)
         sbase = page * sVSp + h * sVSh
-        offs = page * sVLp + h * sVLh + t[:, None] * sVLt + c[None, :]
+        offs = page * sVLp + h * sVLh + t[:, None] * sVLt + c[None, :] * sVLc
         raw = tl.load(VL + offs)  # [G, D/4]
         hraw = tl.zeros_like(raw)
         if V4:
@@ -662,7 +749,8 @@ def dequantize_pages(pages) -> torch.Tensor:
     from kitty_core.quant import KeyPages
 
     keys = isinstance(pages, KeyPages)
-    pages = type(pages)(**{k: v.contiguous() for k, v in vars(pages).items()})  # the kernel assumes unit last strides
+    planes = ("dense", "high", "low")  # any strides (a page pool stores them transposed); the rest unit last strides
+    pages = type(pages)(**{k: v if k in planes else v.contiguous() for k, v in vars(pages).items()})
     if keys:
         n, h, d, g4 = pages.dense.shape
         g = g4 * 4
@@ -673,13 +761,14 @@ def dequantize_pages(pages) -> torch.Tensor:
         n, h, g, d4 = pages.low.shape
         d = d4 * 4
         vl, vh, vsc, vz = pages.low, pages.high, pages.scale, pages.zero
+        if vh.numel() and vh.stride() != vl.stride():  # the kernel reads both planes with one set of strides
+            vl, vh = vl.contiguous(), vh.contiguous()
         kd = kh = ki = ksc = kz = vl  # unused
         nb, v4 = 0, pages.high.shape[-1] > 0
     out = torch.empty((n, h, g, d), dtype=torch.float32, device=(kd if keys else vl).device)
     _dequant_pages_kernel[(n * h,)](
-        kd, kh, ki, ksc, kz, kd.stride(0), kd.stride(1), kd.stride(2),
-        kh.stride(0), kh.stride(1), kh.stride(2) if kh.dim() > 2 else 0, ki.stride(0), ki.stride(1),
-        vl, vh, vsc, vz, vl.stride(0), vl.stride(1), vl.stride(2), vsc.stride(0), vsc.stride(1),
+        kd, kh, ki, ksc, kz, *kd.stride(), *kh.stride(), ki.stride(0), ki.stride(1),
+        vl, vh, vsc, vz, *vl.stride(), vsc.stride(0), vsc.stride(1),
         out, out.stride(0), out.stride(1), out.stride(2),
         H=h, D=d, G=g, NB=nb, V4=v4, KEYS=keys,
     )
@@ -703,4 +792,4 @@ def decode_attention_reference(layer, query: torch.Tensor, scaling: float) -> to
     return torch.stack(outs)[:, :, None].to(query.dtype)
 
 
-__all__ = ["decode_attention", "decode_attention_unfused", "decode_attention_reference", "dequantize_pages"]
+__all__ = ["decode_attention", "decode_launches", "decode_attention_unfused", "decode_attention_reference", "dequantize_pages"]

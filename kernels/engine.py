@@ -2,13 +2,15 @@
 
 Prefill (several new tokens) attends in FP16 over the prompt as the reference engine does; a decode
 step stores the new token in FP16, runs the fused kernel over the layer's state, then packs any
-buffer that became full (at most once every G steps).
+buffer that became full (at most once every G steps). Pages are packed by `kernels.pack` on CUDA
+(the torch quantizers where a kernel does not apply: the random rule, other page or head sizes).
 """
 
 from __future__ import annotations
 
 from kitty_core.cache import ReferenceEngine
 
+from . import pack
 from .decode import decode_attention
 
 
@@ -26,6 +28,16 @@ class TritonEngine(ReferenceEngine):
         c, d = layer.config, layer.head_dim
         pow2 = lambda x: x >= 64 and x & (x - 1) == 0  # noqa: E731
         return c.quantize and pow2(c.group_size) and pow2(d) and query.shape[1] // layer.heads <= 64 and query.is_cuda
+
+    def quantize_keys(self, keys, n_boost, rule, generator, query_rms=None):
+        if keys.is_cuda and pack.supported(keys, rule):
+            return pack.quantize_keys(keys, n_boost, rule, query_rms)
+        return super().quantize_keys(keys, n_boost, rule, generator, query_rms)
+
+    def quantize_values(self, values, bits):
+        if values.is_cuda and pack.supported(values):
+            return pack.quantize_values(values, bits)
+        return super().quantize_values(values, bits)
 
     def attend(self, layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
         if key_new.shape[2] != 1 or not self.supports(layer, query):

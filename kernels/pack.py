@@ -14,9 +14,9 @@ values  per-token min/max over the channels, 3 or 15 levels.
 Rounding matches torch exactly: the division is IEEE (`div_rn`), and round-half-to-even comes from
 adding and subtracting 1.5 * 2**23, which leaves an fp32 number its nearest integer.
 
-Tested bit for bit against the torch quantizers in Triton's interpreter. The Triton engine still
-packs in torch: these kernels have not yet been compiled and timed on a GPU
-(`python -m kitty_core.bench kernels --pack` does both).
+Tested bit for bit against the torch quantizers (in Triton's interpreter on CPU, compiled on a GPU);
+the Triton engine packs with them. `python -m kitty_core.bench kernels --pack` times them against
+the decode step they serve.
 """
 
 from __future__ import annotations

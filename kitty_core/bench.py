@@ -127,9 +127,9 @@ def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=
     layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
     q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
     state, rows = layer.kernel_state(), []
-    for ppp in (4, 8, 16):
-        for warps in (4, 8):
-            for stages in (2, 3):
+    for ppp in (8, 16):
+        for warps in (2, 4):
+            for stages in (2,):
                 for regs in (None, 128):
                     ws = {}
                     ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state, ppp, warps, stages,
@@ -162,8 +162,9 @@ def pack_cost(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=tor
 
 
 def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, **launch) -> pd.DataFrame:
-    """Where the fused kernel's GPU time goes: the full kernel, keys only, and plain loads of the same
-    packed planes (diagnostic variants of the page loop), one shape."""
+    """Where the fused kernel's GPU time goes, one shape: the full kernel with codes unpacked four at
+    a time in PTX and element by element, keys only, and plain loads of the same packed planes
+    (diagnostic variants of the page loop)."""
     from kernels.decode import decode_attention
 
     batch, length = shape
@@ -171,9 +172,12 @@ def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.
     q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
     state, rows = layer.kernel_state(), []
     read = sum(layer.nbytes().values())
-    for mode, what in enumerate(("full kernel", "keys only", "packed planes, plain loads")):
+    variants = [("full kernel, PTX unpack", {}), ("full kernel, per-element unpack", {"unpack": "bits"}),
+                ("full kernel, int->fp16 conversions", {"unpack": "convert"}),
+                ("keys only", {"ablate": 1}), ("packed planes, plain loads", {"ablate": 2})]
+    for what, kw in variants:
         ws = {}
-        ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state, ablate=mode, **launch)))
+        ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state, **kw, **launch)))
         rows.append({"batch": batch, "length": length, "variant": what, "ms": ms, "TBps_of_cache": read / ms / 1e9})
     return pd.DataFrame(rows)
 

@@ -112,7 +112,14 @@ class PagePool:
     """Pages of one kind (KeyPages or ValuePages) in field-wise tensors [P, ...], grown by doubling.
 
     Each sequence keeps the ids of its pages in order (`table[b]`), as a paged KV cache does.
+    The packed code planes are stored with their last two dims swapped in memory and held as
+    transposed views, so that they read as the page format does while the axis a decode kernel
+    reduces over is the contiguous one: key channels (dense [D, G/4] is channel-contiguous, high
+    [Db, G/4] likewise) and value tokens (low/high [G, D/4] are token-contiguous). A tensor-core
+    operand then takes four codes' bytes with one 32-bit shared-memory read instead of four byte reads.
     """
+
+    PLANES = ("dense", "high", "low")
 
     def __init__(self, kind: type, batch: int):
         self.kind = kind
@@ -142,13 +149,12 @@ class PagePool:
     def _store(self, pages: KeyPages | ValuePages) -> None:
         n = next(iter(vars(pages).values())).shape[0]
         if self.store is None:
-            self.store = {f.name: getattr(pages, f.name).new_zeros((0, *getattr(pages, f.name).shape[1:]))
-                          for f in fields(pages)}
+            self.store = {f.name: self._zeros(f.name, getattr(pages, f.name), 0) for f in fields(pages)}
         cap = next(iter(self.store.values())).shape[0]
         if self.count + n > cap:
             new_cap = max(self.count + n, 2 * cap, 4)
             for name, t in self.store.items():
-                grown = t.new_zeros((new_cap, *t.shape[1:]))
+                grown = self._zeros(name, t, new_cap)
                 grown[: self.count] = t[: self.count]
                 self.store[name] = grown
         for f in fields(pages):
@@ -165,8 +171,15 @@ class PagePool:
 
     def reserve(self, template: KeyPages | ValuePages, pages: int) -> None:
         """Allocate room for `pages` pages shaped like `template` up front (no doubling later)."""
-        self.store = {f.name: getattr(template, f.name).new_zeros((pages, *getattr(template, f.name).shape[1:]))
-                      for f in fields(template)}
+        self.store = {f.name: self._zeros(f.name, getattr(template, f.name), pages) for f in fields(template)}
+
+    @classmethod
+    def _zeros(cls, name: str, like: torch.Tensor, pages: int) -> torch.Tensor:
+        """Zero storage for `pages` pages of field `name` shaped like `like` (see the class doc)."""
+        shape = (pages, *like.shape[1:])
+        if name in cls.PLANES:
+            return like.new_zeros((*shape[:-2], shape[-1], shape[-2])).transpose(-1, -2)
+        return like.new_zeros(shape)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of the stored pages, per field."""

@@ -45,7 +45,7 @@ def test_fused_decode_matches_reference(spec):
     q = torch.randn(len(LENS), 4, 1, DIM, device=DEVICE)
     ref = decode_attention_reference(layer, q, 0.25)
     for out in (decode_attention(layer, q, 0.25), decode_attention(layer, q, 0.25, pages_per_program=2),
-                decode_attention(layer, q, 0.25, bias=False), decode_attention_unfused(layer, q, 0.25)):
+                decode_attention(layer, q, 0.25, unpack="convert"), decode_attention_unfused(layer, q, 0.25)):
         assert out.shape == (len(LENS), 4, 1, DIM)
         torch.testing.assert_close(out, ref, atol=5e-3, rtol=1e-2)  # fp16 operands in the dots
 
