@@ -367,6 +367,9 @@ def _decode_pages_kernel(
         # reduction across lanes is the row max
         lt = tl.zeros((REP_P, G4), tl.float32)
         shift = tl.zeros((REP_P, G4), tl.float32)
+        if ABLATE == 2:
+            kseen = tl.zeros((D, G4), tl.int32)
+            vseen = tl.zeros((G, D4), tl.int32)
         # a fixed trip count: slots past the sequence's last page read page 0 and weigh nothing
         for i in range(PPP):
             live = first + i < n_vp
@@ -376,7 +379,8 @@ def _decode_pages_kernel(
                 kraw = tl.load(KD + kpage * sKDp + h * sKDh + d[:, None] * sKDd + tl.arange(0, G4)[None, :] * sKDg)
                 vraw = tl.load(VL + vpage * sVLp + h * sVLh + tl.arange(0, G)[:, None] * sVLt
                                + tl.arange(0, D4)[None, :] * sVLc)
-                l_i += (tl.sum(tl.sum(kraw.to(tl.int32), 1), 0) + tl.sum(tl.sum(vraw.to(tl.int32), 1), 0)).to(tl.float32)
+                kseen += kraw.to(tl.int32)  # element-wise: no reduction per page
+                vseen += vraw.to(tl.int32)
             else:
                 s0, s1, s2, s3 = _page_scores(q, KD, KH, KI, KSC, KZ, kpage * sKDp + h * sKDh,
                                               kpage * sKHp + h * sKHh, kpage * sKIp + h * sKIh, sKDd, sKDg, sKHr, sKHg,
@@ -413,6 +417,8 @@ def _decode_pages_kernel(
                     a0, a1, a2, a3, shift = _page_values_part(p3, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
                                                               sbase, sVLt, sVLc, 3, D, G, V4, BIAS)
         l_i += tl.sum(lt, 1)
+        if ABLATE == 2:
+            l_i += (tl.sum(tl.sum(kseen, 1), 0) + tl.sum(tl.sum(vseen, 1), 0)).to(tl.float32)
         acc = _cat4(a0, a1, a2, a3) + tl.sum(shift, 1)[:, None]
     _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, NT + 1 + chunk, m_i, l_i, acc, REP, REP_P, D)
 
@@ -487,9 +493,9 @@ def _constants(layer, query):
 
 
 def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
-                    state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 4,
+                    state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
                     num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
-                    max_registers: int | None = 128, cuda: bool | None = None):
+                    max_registers: int | None = None, cuda: bool | None = None):
     """The fused step as kernel launches: ([(kernel, grid, args, options), ...], output tensor).
     `cuda` (default: where the query is) picks the CUDA code paths; `kernels.compile` builds the
     launches for a CUDA target on a machine without a GPU."""
@@ -530,15 +536,17 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
 
 
 def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
-                     state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 4,
+                     state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
                      num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
-                     max_registers: int | None = 128) -> torch.Tensor:
+                     max_registers: int | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over a Kitty layer's state, fused.
 
     query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16).
     `state` is `layer.kernel_state()` (built here if not given); `workspace` keeps the partials.
-    `max_registers` caps the page kernel's registers per thread: uncapped it takes ~200, which lets
-    an SM hold two programs; at 128 it holds four, and runs ~20% faster on an H200."""
+    Launch settings (page kernel): two warps per program, no register cap. A program's query tile is
+    a tensor-core operand every warp holds whole, so fewer warps issue fewer instructions per page;
+    on an H200 (`python -m kitty_core.bench kernels --sweep`) two uncapped warps ran 16% faster than
+    four warps capped at 128 registers, the best setting before codes were unpacked in PTX."""
     launches, out = decode_launches(layer, query, scaling, workspace, state, pages_per_program, num_warps,
                                     num_stages, unpack, ablate, max_registers)
     for kernel, grid, args, options in launches:

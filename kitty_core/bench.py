@@ -3,13 +3,14 @@ baseline of the same shape.
 
     python -m kitty_core.bench kernels --shapes 64x8192,8x32768,1x131072 --boost 0,0.125,0.25
     python -m kitty_core.bench e2e --model random:qwen3-8b --prompt 512 --generate 8192 --out e2e.json
+    python -m kitty_core.bench profile --caches fp16-prealloc,kitty-pro --batch 64 --length 4096
     python -m kitty_core.bench app      # the lab in chromium: first and later render of every page
 
 `kernels`: decode attention alone (fused, unfused, SDPA on FP16), with the bandwidth it implies next
 to a device-to-device copy. `e2e`: a whole model generating (`kitty_core.throughput`): per cache the
 largest batch that fits, peak memory, prefill time and decode throughput at that batch and at an
 equal batch. `app`: seconds until each page of a freshly started lab has rendered in chromium, on
-the first visit and on later ones.
+the first visit and on later ones. `profile`: the CUDA kernels one decode step runs, by GPU time.
 """
 
 from __future__ import annotations
@@ -285,6 +286,23 @@ def run_e2e(a) -> int:
     return 0
 
 
+def run_profile(a) -> int:
+    from .models import ModelLoadError, load_model
+    from .throughput import profile_step
+
+    try:
+        lm = load_model(a.model, device=a.device, dtype=a.dtype)
+    except ModelLoadError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for kind in filter(None, (c.strip() for c in a.caches.split(","))):
+        total, table = profile_step(lm.model, kind, a.batch, a.length)
+        where = "GPU kernels" if torch.cuda.is_available() else "CPU ops"
+        print(f"{kind}: batch {a.batch}, {a.length} tokens: {total:.2f} ms of {where} per decode step")
+        print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kitty_core.bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -308,6 +326,13 @@ def main(argv=None) -> int:
     e.add_argument("--start", type=int, default=8, help="first batch size of the doubling")
     e.add_argument("--validate", default="", help="CACHE:BATCH:TOKENS,... real generations to check the estimate")
     e.add_argument("--out", type=Path, default=None, help="JSON file")
+    f = sub.add_parser("profile", help="the CUDA kernels of one decode step per cache, by GPU time")
+    f.add_argument("--model", default="random:qwen3-8b")
+    f.add_argument("--device", default=None)
+    f.add_argument("--dtype", default=None)
+    f.add_argument("--caches", default="fp16-prealloc,kitty-pro")
+    f.add_argument("--batch", type=int, default=64)
+    f.add_argument("--length", type=int, default=4096, help="tokens in the cache")
     w = sub.add_parser("app", help="seconds to first and later renders of every lab page in chromium")
     w.add_argument("--chromium", default="/usr/bin/chromium")
     w.add_argument("--visits", type=int, default=2)
@@ -315,6 +340,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.what == "e2e":
         return run_e2e(a)
+    if a.what == "profile":
+        return run_profile(a)
     if a.what == "app":
         print(time_app(a.chromium, a.log, a.visits).pivot(index="page", columns="visit", values="seconds")
               .round(1).to_string(), flush=True)

@@ -297,6 +297,34 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
             **{f"step_ms@{n}": ms for n, ms in zip(lengths, step_ms)}}
 
 
+@torch.inference_mode()
+def profile_step(model, kind: str, batch: int, length: int, top: int = 12):
+    """Where one decode step's GPU time goes, for one cache at `batch` sequences of `length` tokens:
+    (total GPU ms, a table of the `top` CUDA kernels by time) from torch.profiler, over 3 steps.
+    Without a GPU, the same for the CPU ops (self time)."""
+    import pandas as pd
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = make_cache(kind, model, length + 8)
+    fill(cache, model, batch, length)
+    for _ in range(2):
+        decode_step(model, cache, batch)  # compile, allocate
+    _sync()
+    gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            decode_step(model, cache, batch)
+        _sync()
+    time_of = (lambda e: e.device_time_total) if gpu else (lambda e: e.self_cpu_time_total)  # noqa: E731
+    rows = [{"kernel": e.key[:90], "calls": e.count // 3, "ms_per_step": time_of(e) / 3e3}
+            for e in prof.key_averages() if time_of(e) > 0]
+    table = pd.DataFrame(rows).sort_values("ms_per_step", ascending=False)
+    total = float(table["ms_per_step"].sum()) if len(table) else 0.0
+    del cache
+    _free()
+    return total, table.head(top)
+
+
 def integrate(lengths, step_ms, start: int, end: int) -> float:
     """Milliseconds to decode every token from cache length `start` to `end`: the trapezoid rule over
     the measured (length, step time) points, the last step time held beyond the last point."""
