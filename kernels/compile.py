@@ -3,6 +3,7 @@ of them: registers, spills, shared memory and the SASS instruction mix of each k
 
     python -m kernels.compile                          # Qwen3-8B attention, kitty-pro, sm_90
     python -m kernels.compile --unpack bits,ptx --method kitty+boost_rate=0
+    python -m kernels.compile --warps 4 --max-registers 128
 
 Triton's wheel ships ptxas and cuobjdump, so this needs neither a GPU nor a CUDA install. It shows
 what a kernel change does to the instruction stream before any GPU time is spent; the speed itself
@@ -56,8 +57,24 @@ def compile_launch(kernel, args, options: dict, arch: int = 90):
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=opts.__dict__)
 
 
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);")
+
+
+def _loop_body(sass: str) -> tuple[int, int] | None:
+    """Address range of the longest loop (a conditional branch back to a lower address)."""
+    best = None
+    for m in _SASS_LINE.finditer(sass):
+        target = re.search(r"0x([0-9a-f]+)", m.group(4))
+        if m.group(3) == "BRA" and m.group(2) and target:
+            at, to = int(m.group(1), 16), int(target.group(1), 16)
+            if to < at and (best is None or at - to > best[1] - best[0]):
+                best = (to, at)
+    return best
+
+
 def inspect(compiled) -> dict:
-    """Registers, spills, shared memory and SASS opcode counts of a compiled kernel."""
+    """Registers, spills, shared memory, SASS opcode counts of a compiled kernel, and the same counts
+    for its longest loop's body (per page, for the page kernel: `loop_*`)."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
@@ -66,14 +83,22 @@ def inspect(compiled) -> dict:
         sass = subprocess.run([_tools() / "cuobjdump", "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
     reg = re.search(r"REG:(\d+)", usage)
-    ops = Counter(m.group(1).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass))
-    spill = sum(n for op, n in ops.items() if op in ("STL", "LDL"))
-    row = {"registers": int(reg.group(1)) if reg else None, "spill_ops": spill,
-           "shared_bytes": compiled.metadata.shared, "instructions": sum(ops.values())}
+    lines = [(int(m.group(1), 16), m.group(3)) for m in _SASS_LINE.finditer(sass)]
+    loop = _loop_body(sass)
     family_of = {op: fam for fam, members in FAMILIES.items() for op in members}
-    for fam in FAMILIES:
-        row[fam] = sum(n for op, n in ops.items() if family_of.get(op) == fam)
-    row["other"] = row["instructions"] - sum(row[f] for f in FAMILIES)
+
+    def mix(ops: Counter, prefix: str = "") -> dict:
+        row = {f"{prefix}instructions": sum(ops.values())}
+        for fam in FAMILIES:
+            row[prefix + fam] = sum(n for op, n in ops.items() if family_of.get(op) == fam)
+        row[prefix + "other"] = row[f"{prefix}instructions"] - sum(row[prefix + f] for f in FAMILIES)
+        return row
+
+    ops = Counter(op.split(".")[0] for _, op in lines)
+    row = {"registers": int(reg.group(1)) if reg else None, "spill_ops": ops["STL"] + ops["LDL"],
+           "shared_bytes": compiled.metadata.shared, **mix(ops)}
+    if loop:
+        row.update(mix(Counter(op.split(".")[0] for at, op in lines if loop[0] <= at <= loop[1]), "loop_"))
     row["sass"] = sass
     return row
 
@@ -100,14 +125,18 @@ def report(method: str = "kitty-pro", unpacks=("ptx",), q_heads: int = 32, kv_he
     from .decode import decode_launches
 
     layer = layer_for(method, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-    q = torch.randn(2, q_heads, 1, head_dim, dtype=dtype)
+    q = torch.randn(layer.k_sink.buf.shape[0], q_heads, 1, head_dim, dtype=dtype)
+    launch.setdefault("pages_per_program", 8)  # a page loop, as at long context
     rows = []
     for unpack in unpacks:
         launches, _ = decode_launches(layer, q, head_dim**-0.5, unpack=unpack, cuda=True, **launch)
         for kernel, _grid, args, options in launches[:2]:
             info = inspect(compile_launch(kernel, args, options, arch))
             info.pop("sass")
-            rows.append({"kernel": kernel.fn.__name__, "unpack": unpack, **info})
+            warps = options.get("num_warps", 4)
+            per_page = info.get("loop_instructions", 0) * warps if kernel is launches[1][0] else None
+            rows.append({"kernel": kernel.fn.__name__, "unpack": unpack, "warps": warps, **info,
+                         "warp_instructions_per_page": per_page})
     return pd.DataFrame(rows)
 
 
@@ -119,11 +148,19 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--warps", type=int, default=None, help="page kernel warps (default: the launch default)")
+    p.add_argument("--max-registers", type=int, default=None)
+    p.add_argument("--columns", default="kernel,unpack,warps,registers,spill_ops,shared_bytes,instructions,"
+                   "loop_instructions,warp_instructions_per_page,"
+                   "loop_tensor core,loop_integer/bit,loop_shared,loop_float,loop_shuffle,loop_other")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("unset TRITON_INTERPRET: the interpreter does not compile")
-    df = report(a.method, a.unpack.split(","), a.q_heads, a.kv_heads, a.head_dim, a.arch)
-    print(df.to_string(index=False))
+    launch = {"max_registers": a.max_registers}
+    if a.warps:
+        launch["num_warps"] = a.warps
+    df = report(a.method, a.unpack.split(","), a.q_heads, a.kv_heads, a.head_dim, a.arch, **launch)
+    print(df[[c for c in a.columns.split(",") if c in df]].to_string(index=False))
     return 0
 
 

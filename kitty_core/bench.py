@@ -296,9 +296,9 @@ def run_profile(a) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     for kind in filter(None, (c.strip() for c in a.caches.split(","))):
-        total, table = profile_step(lm.model, kind, a.batch, a.length)
+        total, wall, table = profile_step(lm.model, kind, a.batch, a.length)
         where = "GPU kernels" if torch.cuda.is_available() else "CPU ops"
-        print(f"{kind}: batch {a.batch}, {a.length} tokens: {total:.2f} ms of {where} per decode step")
+        print(f"{kind}: batch {a.batch}, {a.length} tokens: {total:.2f} ms of {where}, {wall:.2f} ms wall per decode step")
         print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"), flush=True)
     return 0
 

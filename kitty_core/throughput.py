@@ -300,8 +300,8 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
 @torch.inference_mode()
 def profile_step(model, kind: str, batch: int, length: int, top: int = 12):
     """Where one decode step's GPU time goes, for one cache at `batch` sequences of `length` tokens:
-    (total GPU ms, a table of the `top` CUDA kernels by time) from torch.profiler, over 3 steps.
-    Without a GPU, the same for the CPU ops (self time)."""
+    (total GPU ms, wall ms, a table of the `top` CUDA kernels by time) from torch.profiler over 3
+    steps, and the wall time of 3 more without it. Without a GPU, the same for the CPU ops."""
     import pandas as pd
     from torch.profiler import ProfilerActivity, profile
 
@@ -320,9 +320,10 @@ def profile_step(model, kind: str, batch: int, length: int, top: int = 12):
             for e in prof.key_averages() if time_of(e) > 0]
     table = pd.DataFrame(rows).sort_values("ms_per_step", ascending=False)
     total = float(table["ms_per_step"].sum()) if len(table) else 0.0
+    wall_ms = _timed(lambda: [decode_step(model, cache, batch) for _ in range(3)]) * 1e3 / 3
     del cache
     _free()
-    return total, table.head(top)
+    return total, wall_ms, table.head(top)
 
 
 def integrate(lengths, step_ms, start: int, end: int) -> float:

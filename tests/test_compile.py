@@ -1,0 +1,30 @@
+"""The decode kernels compiled for an H100/H200 (sm_90) by Triton's own ptxas, without a GPU: the
+page kernel must not spill, and unpacking codes in PTX must cost less integer work than unpacking
+them element by element. Run in a subprocess: the test session runs kernels in the interpreter."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = (
+    "import json; from kernels.compile import report; "
+    "print(json.dumps(report('kitty-pro', ('ptx', 'bits')).to_dict(orient='records')))"
+)
+
+
+def test_page_kernel_compiles_for_sm90_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {(r["kernel"], r["unpack"]): r for r in json.loads(out.stdout.strip().splitlines()[-1])}
+    pages = rows[("_decode_pages_kernel", "ptx")]
+    assert pages["spill_ops"] == 0 and pages["registers"] <= 255
+    assert rows[("_decode_tail_kernel", "ptx")]["spill_ops"] == 0
+    assert pages["loop_instructions"] > 0  # the page loop was found
+    bits = rows[("_decode_pages_kernel", "bits")]
+    assert pages["loop_integer/bit"] < 0.75 * bits["loop_integer/bit"]
