@@ -52,8 +52,33 @@ if saved:
     charts(pd.DataFrame(run["points"]), "saved")
     for skip in run.get("skipped", []):
         st.caption(f"{skip['cache']}: not measured ({skip['reason']})")
+    for check in run.get("validation", []):
+        st.caption(f"{check['cache']}, batch {check['batch']}: a real generation of {check['generate']} tokens took "
+                   f"{check['measured_s']:.1f} s, the estimate {check['estimated_s']:.1f} s "
+                   f"({check['estimate_error']:+.1%}).")
 else:
     st.info("No saved runs in data/results (e2e_*.json).")
+
+kernels_file = DATA / "results" / "kernels_h200.json"
+if kernels_file.exists():
+    st.subheader("Decode attention on packed pages")
+    k = json.loads(kernels_file.read_text())
+    rows = pd.DataFrame(k["results"])
+    rows["shape"] = rows["batch"].astype(str) + " x " + rows["length"].astype(str)
+    boost = st.radio("Boost rate", sorted(rows["boost_rate"].unique()), index=len(rows["boost_rate"].unique()) - 1,
+                     format_func=lambda b: f"{b:.1%}", horizontal=True)
+    pick = rows[rows["boost_rate"] == boost]
+    long = pick.melt(id_vars="shape", value_vars=["fused_ms", "unfused_ms", "sdpa_fp16_ms"], var_name="attention",
+                     value_name="ms")
+    long["attention"] = long["attention"].map({"fused_ms": "fused (packed pages)", "unfused_ms": "unfused qk/sv",
+                                               "sdpa_fp16_ms": "SDPA on FP16"})
+    fig = px.bar(long, x="shape", y="ms", color="attention", barmode="group",
+                 title=f"Decode attention on {k['settings']['device']}: GPU time per call (Qwen3-8B heads)")
+    st.plotly_chart(fig, width="stretch", key="kernels")
+    st.dataframe(pick[["shape", "fused_ms", "unfused_ms", "sdpa_fp16_ms", "fused_vs_sdpa", "fused_vs_unfused",
+                       "fused_TBps", "sdpa_TBps", "copy_TBps"]], hide_index=True)
+    st.caption("`python -m kitty_core.bench kernels` on one GPU: CUDA-graph replays, the same process for all three. "
+               "TB/s: the bytes each one reads per second; copy: a device-to-device copy in the same run.")
 
 st.subheader("Live sweep on the loaded model")
 on_gpu = frame.lm.device.type == "cuda"

@@ -72,6 +72,10 @@ def test_memory_page_charts_saved_runs_and_sweeps_live():
     at = run("pages/5_Memory_and_throughput.py")
     saved = chart(at)
     assert saved["data"][0]["x"]  # max batch per cache of a saved run
+    kernels = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    kernels = [c for c in kernels if "Decode attention" in json.dumps(c["layout"])]
+    assert kernels and {t["name"] for t in kernels[0]["data"]} == {"fused (packed pages)", "unfused qk/sv", "SDPA on FP16"}
+    assert list(kernels[0]["data"][0]["x"]) == ["64 x 8192", "8 x 32768", "1 x 131072"]
     at.multiselect[0].set_value(["fp16-prealloc", "kitty-pro"])
     at.number_input[1].set_value(64)  # generated tokens: a short sweep
     at.button[0].click().run()
