@@ -424,8 +424,10 @@ def _decode_pages_kernel(
 
 
 @triton.jit
-def _combine_kernel(M, L, ACC, O, sMb, sMh, sAb, sAh, sAc, sOb, sOh,
-                    HQ: tl.constexpr, C: tl.constexpr, C_P: tl.constexpr, D: tl.constexpr):
+def _combine_kernel(M, L, ACC, O, sMb, sMh, sAb, sAh, sAc, sOb, sOh, C,
+                    HQ: tl.constexpr, C_P: tl.constexpr, D: tl.constexpr):
+    """Merge the C partial softmaxes of each (sequence, query head). C is a runtime value (only its
+    power-of-two bound C_P is compiled in): it grows by one every few pages of a generation."""
     pid = tl.program_id(0)
     b = pid // HQ
     hq = pid % HQ
@@ -530,8 +532,8 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
         (_decode_tail_kernel, (b * layer.heads, 1 + nt), args, dict(consts, PPP=1, ABLATE=0)),  # neither is read
         (_decode_pages_kernel, (b * layer.heads, n_chunks - 1 - nt), args, pages),
         (_combine_kernel, (b * hq,), (m, l, acc, out, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1),
-                                      acc.stride(2), out.stride(0), out.stride(1)),
-         dict(HQ=hq, C=n_chunks, C_P=triton.next_power_of_2(n_chunks), D=d)),
+                                      acc.stride(2), out.stride(0), out.stride(1), n_chunks),
+         dict(HQ=hq, C_P=triton.next_power_of_2(n_chunks), D=d)),
     ], out
 
 
