@@ -221,18 +221,22 @@ def _online_update(m_i, l_i, acc, s):
 
 
 @triton.jit
-def _online_update4(m_i, l_i, s0, s1, s2, s3):
-    """The same for a page's four score tiles: returns (m, l, alpha, p0, p1, p2, p3)."""
-    top = tl.maximum(tl.maximum(tl.max(s0, 1), tl.max(s1, 1)), tl.maximum(tl.max(s2, 1), tl.max(s3, 1)))
-    m_new = tl.maximum(m_i, top)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p0 = tl.exp(s0 - m_safe[:, None])
-    p1 = tl.exp(s1 - m_safe[:, None])
-    p2 = tl.exp(s2 - m_safe[:, None])
-    p3 = tl.exp(s3 - m_safe[:, None])
-    l_new = l_i * alpha + (tl.sum(p0, 1) + tl.sum(p1, 1)) + (tl.sum(p2, 1) + tl.sum(p3, 1))
-    return m_new, l_new, alpha, p0, p1, p2, p3
+def _online_update4(m_i, lt, live, s0, s1, s2, s3):
+    """Fold a page's four score tiles [R, G/4] (all -inf unless `live`) into a running softmax whose
+    denominator is kept as a tile lt [R, G/4], summed over its columns once by the caller: per page
+    the only reduction across lanes is the row max. Returns (m, lt, alpha [R, 1], p0, p1, p2, p3)."""
+    s0 = tl.where(live, s0, float("-inf"))
+    s1 = tl.where(live, s1, float("-inf"))
+    s2 = tl.where(live, s2, float("-inf"))
+    s3 = tl.where(live, s3, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)[:, None]
+    alpha = tl.exp(m_i[:, None] - m_safe)
+    p0 = tl.exp(s0 - m_safe)
+    p1 = tl.exp(s1 - m_safe)
+    p2 = tl.exp(s2 - m_safe)
+    p3 = tl.exp(s3 - m_safe)
+    return m_new, lt * alpha + ((p0 + p1) + (p2 + p3)), alpha, p0, p1, p2, p3
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -312,9 +316,11 @@ def _decode_tail_kernel(
                 s1 = _fp16_part_scores(q16, KB, kb, sKBt, count, 1, G4, D)
                 s2 = _fp16_part_scores(q16, KB, kb, sKBt, count, 2, G4, D)
                 s3 = _fp16_part_scores(q16, KB, kb, sKBt, count, 3, G4, D)
-            m_i, l_i, alpha, p0, p1, p2, p3 = _online_update4(m_i, l_i, s0, s1, s2, s3)
+            m_i, lt, alpha, p0, p1, p2, p3 = _online_update4(m_i, tl.zeros((REP_P, G4), tl.float32), True,
+                                                              s0, s1, s2, s3)
+            l_i = tl.sum(lt, 1)
             vw = b * sVWb + h * sVWh + (chunk - 1) * G * sVWt
-            acc = acc * alpha[:, None]
+            acc = acc * alpha
             acc = tl.dot(p0.to(tl.float16), _fp16_tile(VW, vw, sVWt, count, G4, D), acc)
             acc = tl.dot(p1.to(tl.float16), _fp16_tile(VW, vw + G4 * sVWt, sVWt, count - G4, G4, D), acc)
             acc = tl.dot(p2.to(tl.float16), _fp16_tile(VW, vw + 2 * G4 * sVWt, sVWt, count - 2 * G4, G4, D), acc)
@@ -363,8 +369,7 @@ def _decode_pages_kernel(
         a2 = tl.zeros((REP_P, D4), tl.float32)
         a3 = tl.zeros((REP_P, D4), tl.float32)
         # the softmax denominator and the values' zero/bias terms stay [R, G/4] tiles, rescaled with
-        # the accumulators and summed over their columns once after the loop: per page, the only
-        # reduction across lanes is the row max
+        # the accumulators and summed over their columns once after the loop
         lt = tl.zeros((REP_P, G4), tl.float32)
         shift = tl.zeros((REP_P, G4), tl.float32)
         if ABLATE == 2:
@@ -385,21 +390,7 @@ def _decode_pages_kernel(
                 s0, s1, s2, s3 = _page_scores(q, KD, KH, KI, KSC, KZ, kpage * sKDp + h * sKDh,
                                               kpage * sKHp + h * sKHh, kpage * sKIp + h * sKIh, sKDd, sKDg, sKHr, sKHg,
                                               D, G, NB, NB_P, BIAS)
-                dead = float("-inf")
-                s0 = tl.where(live, s0, dead)
-                s1 = tl.where(live, s1, dead)
-                s2 = tl.where(live, s2, dead)
-                s3 = tl.where(live, s3, dead)
-                top = tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 1)
-                m_new = tl.maximum(m_i, top)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_safe)[:, None]
-                m_i = m_new
-                p0 = tl.exp(s0 - m_safe[:, None])
-                p1 = tl.exp(s1 - m_safe[:, None])
-                p2 = tl.exp(s2 - m_safe[:, None])
-                p3 = tl.exp(s3 - m_safe[:, None])
-                lt = lt * alpha + ((p0 + p1) + (p2 + p3))
+                m_i, lt, alpha, p0, p1, p2, p3 = _online_update4(m_i, lt, live, s0, s1, s2, s3)
                 a0 = a0 * alpha
                 a1 = a1 * alpha
                 a2 = a2 * alpha
