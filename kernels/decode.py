@@ -21,8 +21,12 @@ and scaled by 4. Values mirror it: a [G/4, D/4] byte tile per token quarter, one
 plane into four accumulators [heads, D/4], joined once per program.
 Codes become fp16 without a conversion instruction: `code | 0x6400` is the bit pattern of the fp16
 number 1024 + code, and the 1024 is taken out after the dot (1024 x the row sum of the other
-operand). Per-channel key scales are folded into the query (q.k = sum (q_d s_d) c_d + sum q_d z_d),
-per-token value scales into the probabilities.
+operand). On CUDA, inline PTX builds these patterns four codes at a time (a shift, a mask, two byte
+permutes; `_unpack_ptx`). Per-channel key scales are folded into the query
+(q.k = sum (q_d s_d) c_d + sum q_d z_d), per-token value scales into the probabilities.
+The kernels take every stride of the planes: `kitty_core.cache.PagePool` stores them with the
+reduced axis contiguous (key channels, value tokens), so that a tensor-core operand reads four codes'
+bytes at once from shared memory. `python -m kernels.compile` shows what ptxas makes of all this.
 
 `decode_attention_reference` is the same attention in PyTorch.
 """
