@@ -2,7 +2,7 @@
 it generates (the paper's Figure 5).
 
 A point is one (cache, batch size). Its decode speed is measured on a cache filled to a few lengths
-between the prompt and the end of the generation, and integrated over the generation length (a full
+between the prompt and the end of the generation (`timed_lengths`), and integrated over the generation length (a full
 8K-token generation at every batch size would take hours); `validate` runs one real generation to
 check that estimate. The largest batch is found by doubling until the GPU runs out of memory (or a
 memory budget is exceeded), then bisecting to within 10%. Caches:
@@ -25,6 +25,7 @@ import gc
 import time
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, QuantizedCache, StaticCache
 
@@ -257,6 +258,22 @@ def max_batch(model, kind: str, length: int, **kwargs) -> dict:
 
 
 @torch.inference_mode()
+def timed_lengths(kind: str, prompt: int, generate: int, points: int) -> list[int]:
+    """Cache lengths at which `measure` times decode steps: evenly spread from the prompt to its end.
+    For a Kitty preset each one moves (by less than a page) to the middle of a page, so that the few
+    steps timed there never include a page being packed, whatever the preset's sink: otherwise a
+    preset whose page boundaries fall on these lengths would be timed packing every time, which a
+    real generation does once every G steps."""
+    lengths = [prompt + round(i * generate / max(points - 1, 1)) for i in range(points)]
+    if kind in BASELINES:
+        return lengths
+    c = parse_method(kind)
+    if not c.quantize:
+        return lengths
+    g = c.group_size
+    return [n + (c.sink + g // 2 - n) % g for n in lengths]
+
+
 def measure(model, kind: str, batch: int, prompt: int, generate: int, points: int = 4, steps: int = 3,
             prefill_chunk: int = 512) -> dict:
     """Prefill time (real forward on random ids), decode step time at `points` cache lengths from
@@ -266,7 +283,7 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     base = allocated()
-    cache = make_cache(kind, model, prompt + generate + points * (steps + 1) + 1)
+    cache = make_cache(kind, model, max(timed_lengths(kind, prompt, generate, points)) + steps + 2)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (batch, prompt), device=device)
 
@@ -275,7 +292,7 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
             model(input_ids=ids[:, s : s + prefill_chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
 
     prefill_s = _timed(prefill)
-    lengths = [prompt + round(i * generate / max(points - 1, 1)) for i in range(points)]
+    lengths = timed_lengths(kind, prompt, generate, points)
     step_ms = []
     for n in lengths:
         grow = n - cache.get_seq_length()
@@ -328,11 +345,10 @@ def profile_step(model, kind: str, batch: int, length: int, top: int = 12):
 
 def integrate(lengths, step_ms, start: int, end: int) -> float:
     """Milliseconds to decode every token from cache length `start` to `end`: the trapezoid rule over
-    the measured (length, step time) points, the last step time held beyond the last point."""
-    total = 0.0
-    for (a, ta), (b, tb) in zip(zip(lengths, step_ms), zip(lengths[1:], step_ms[1:])):
-        total += (b - a) * (ta + tb) / 2
-    return total + max(end - lengths[-1], 0) * step_ms[-1] + max(lengths[0] - start, 0) * step_ms[0]
+    the measured (length, step time) points, step times held constant beyond the first and last."""
+    xs = np.unique(np.clip([start, *lengths, end], start, end)).astype(float)
+    ys = np.interp(xs, lengths, step_ms)
+    return float(((xs[1:] - xs[:-1]) * (ys[1:] + ys[:-1]) / 2).sum())
 
 
 @torch.inference_mode()
