@@ -2,9 +2,9 @@
 it generates (the paper's Figure 5).
 
 A point is one (cache, batch size). Its decode speed is measured on a cache filled to a few lengths
-between the prompt and the end of the generation (`timed_lengths`), and integrated over the generation length (a full
-8K-token generation at every batch size would take hours); `validate` runs one real generation to
-check that estimate. The largest batch is found by doubling until the GPU runs out of memory (or a
+between the prompt and the end of the generation (`timed_lengths`), and integrated over the
+generation length (a full 8K-token generation at every batch size would take hours); `validate`
+runs one real generation to check that estimate. The largest batch is found by doubling until the GPU runs out of memory (or a
 memory budget is exceeded), then bisecting to within 10%. Caches:
 
     dynamic         transformers DynamicCache (FP16/bf16, grows by concatenation)
