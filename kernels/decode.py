@@ -751,11 +751,12 @@ def _dequant_pages_kernel(KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKH
 
 def dequantize_pages(pages) -> torch.Tensor:
     """KeyPages or ValuePages [N, H, ...] -> float32 [N, H, G, D] (Algorithm 1, as a kernel)."""
+    from kitty_core.cache import PagePool
     from kitty_core.quant import KeyPages
 
     keys = isinstance(pages, KeyPages)
-    planes = ("dense", "high", "low")  # any strides (a page pool stores them transposed); the rest unit last strides
-    pages = type(pages)(**{k: v if k in planes else v.contiguous() for k, v in vars(pages).items()})
+    # code planes with any strides (a page pool stores them transposed); the rest with unit last strides
+    pages = type(pages)(**{k: v if k in PagePool.PLANES else v.contiguous() for k, v in vars(pages).items()})
     if keys:
         n, h, d, g4 = pages.dense.shape
         g = g4 * 4
