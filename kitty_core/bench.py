@@ -242,20 +242,56 @@ def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
     return t.reset_index()
 
 
+def _caches(spec: str) -> list[str]:
+    """Cache kinds from a comma list; ValueError naming the choices for one that is neither a
+    baseline nor a method."""
+    from .throughput import BASELINES
+
+    kinds = [c.strip() for c in spec.split(",") if c.strip()]
+    for kind in kinds:
+        if kind not in BASELINES:
+            try:
+                parse_method(kind)
+            except ValueError as err:
+                raise ValueError(f"cache {kind!r}: not one of {', '.join(BASELINES)}, and {err}") from err
+    return kinds
+
+
+def _validation(spec: str) -> tuple[str, int, int]:
+    """CACHE:BATCH:TOKENS -> (cache, batch, tokens)."""
+    parts = spec.split(":")
+    if len(parts) != 3 or not (parts[1].isdigit() and parts[2].isdigit()) or min(int(parts[1]), int(parts[2])) < 1:
+        raise ValueError(f"--validate takes CACHE:BATCH:TOKENS with positive integers, e.g. kitty-pro:64:8192; got {spec!r}")
+    return _caches(parts[0])[0], int(parts[1]), int(parts[2])
+
+
+def _load(a):
+    """The model the command line names, or None after printing why it cannot be loaded."""
+    from .models import ModelLoadError, load_model
+
+    try:
+        return load_model(a.model, device=a.device, dtype=a.dtype)
+    except ModelLoadError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return None
+
+
 def run_e2e(a) -> int:
     import platform
 
     import transformers
 
-    from .models import ModelLoadError, load_model
     from .throughput import sweep, validate
 
     try:
-        lm = load_model(a.model, device=a.device, dtype=a.dtype)
-    except ModelLoadError as err:
+        caches = _caches(a.caches)
+        checks_asked = [_validation(spec) for spec in filter(None, a.validate.split(","))]
+    except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    caches = [c.strip() for c in a.caches.split(",") if c.strip()]
+    lm = _load(a)
+    if lm is None:
+        return 2
     budget = int(a.budget_gib * 2**30) if a.budget_gib else None
     probes, points, skipped, checks = [], [], [], []
     settings = {"model": lm.name, "shape": lm.shape, "device": str(lm.device),
@@ -278,24 +314,25 @@ def run_e2e(a) -> int:
         save()
     table = e2e_table(pd.DataFrame(points))
     print(table.to_string(index=False, float_format=lambda x: f"{x:.2f}"), flush=True)
-    for spec in filter(None, a.validate.split(",")):
-        cache, batch, gen = spec.split(":")
-        checks.append(validate(lm.model, cache, int(batch), a.prompt, int(gen), a.points))
+    for cache, batch, gen in checks_asked:
+        checks.append(validate(lm.model, cache, batch, a.prompt, gen, a.points))
         print("validate", json.dumps(checks[-1], default=float), flush=True)
         save()
     return 0
 
 
 def run_profile(a) -> int:
-    from .models import ModelLoadError, load_model
     from .throughput import profile_step
 
     try:
-        lm = load_model(a.model, device=a.device, dtype=a.dtype)
-    except ModelLoadError as err:
+        caches = _caches(a.caches)
+    except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    for kind in filter(None, (c.strip() for c in a.caches.split(","))):
+    lm = _load(a)
+    if lm is None:
+        return 2
+    for kind in caches:
         total, wall, table = profile_step(lm.model, kind, a.batch, a.length)
         where = "GPU kernels" if torch.cuda.is_available() else "CPU ops"
         print(f"{kind}: batch {a.batch}, {a.length} tokens: {total:.2f} ms of {where}, {wall:.2f} ms wall per decode step")
