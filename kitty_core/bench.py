@@ -265,13 +265,16 @@ def _validation(spec: str) -> tuple[str, int, int]:
     return _caches(parts[0])[0], int(parts[1]), int(parts[2])
 
 
-def _load(a):
-    """The model the command line names, or None after printing why it cannot be loaded."""
+def _setup(a):
+    """(cache kinds, validation specs, loaded model) from the command line, checked before the
+    model loads; None after printing one error line for anything that cannot be used."""
     from .models import ModelLoadError, load_model
 
     try:
-        return load_model(a.model, device=a.device, dtype=a.dtype)
-    except ModelLoadError as err:
+        caches = _caches(a.caches)
+        checks = [_validation(spec) for spec in filter(None, getattr(a, "validate", "").split(","))]
+        return caches, checks, load_model(a.model, device=a.device, dtype=a.dtype)
+    except (ValueError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
 
@@ -283,15 +286,10 @@ def run_e2e(a) -> int:
 
     from .throughput import sweep, validate
 
-    try:
-        caches = _caches(a.caches)
-        checks_asked = [_validation(spec) for spec in filter(None, a.validate.split(","))]
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    setup = _setup(a)
+    if setup is None:
         return 2
-    lm = _load(a)
-    if lm is None:
-        return 2
+    caches, checks_asked, lm = setup
     budget = int(a.budget_gib * 2**30) if a.budget_gib else None
     probes, points, skipped, checks = [], [], [], []
     settings = {"model": lm.name, "shape": lm.shape, "device": str(lm.device),
@@ -324,14 +322,10 @@ def run_e2e(a) -> int:
 def run_profile(a) -> int:
     from .throughput import profile_step
 
-    try:
-        caches = _caches(a.caches)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    setup = _setup(a)
+    if setup is None:
         return 2
-    lm = _load(a)
-    if lm is None:
-        return 2
+    caches, _, lm = setup
     for kind in caches:
         total, wall, table = profile_step(lm.model, kind, a.batch, a.length)
         where = "GPU kernels" if torch.cuda.is_available() else "CPU ops"
