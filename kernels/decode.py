@@ -16,14 +16,18 @@ holds elements i, i + n/4, i + n/2, i + 3n/4; `kitty_core.quant`). A key page he
 byte load whose plane P, `(byte >> 2P) & 3`, is the [D, G/4] code tile of tokens P*G/4 .. (P+1)*G/4;
 so a page costs four tensor-core dots q [heads, D] @ plane [D, G/4], for all query heads of the GQA
 group at once, with no shuffle of unpacked values. The compact high plane ([Db, G/4]) adds four more
-dots against the queries of the boosted channels, gathered through the boost index by a one-hot dot
-and scaled by 4. Values mirror it: a [G/4, D/4] byte tile per token quarter, one dot per channel
-plane into four accumulators [heads, D/4], joined once per program.
+dots against the queries of the boosted channels x 4: the page's boost index lists those channels,
+so their queries are a gathered load of Db values per head from the query rows (cached), where a
+one-hot [D, Db] dot built per page had cost as much as the rest of the key side. Values mirror
+the keys: a [G/4, D/4] byte tile per token quarter, one dot per channel plane into four
+accumulators [heads, D/4], joined once per program.
 Codes become fp16 without a conversion instruction: `code | 0x6400` is the bit pattern of the fp16
 number 1024 + code, and the 1024 is taken out after the dot (1024 x the row sum of the other
 operand). On CUDA, inline PTX builds these patterns four codes at a time (a shift, a mask, two byte
 permutes; `_unpack_ptx`). Per-channel key scales are folded into the query
 (q.k = sum (q_d s_d) c_d + sum q_d z_d), per-token value scales into the probabilities.
+Query tiles are 4 rows (the GQA group of Qwen3 and Llama 3) rather than the 16 of a tensor-core
+tile: Triton pads the dot, and the softmax and rescaling work on a quarter of the elements.
 The kernels take every stride of the planes: `kitty_core.cache.PagePool` stores them with the
 reduced axis contiguous (key channels, value tokens), so that a tensor-core operand reads four codes'
 bytes at once from shared memory. `python -m kernels.compile` shows what ptxas makes of all this.
@@ -110,18 +114,19 @@ def _key_plane_scores(qk, qb, raw, hraw, P: tl.constexpr, NB: tl.constexpr, BIAS
 
 
 @triton.jit
-def _page_scores(q, KD, KH, KI, KSC, KZ, kbase, hbase, ibase, sKDd, sKDg, sKHr, sKHg, D: tl.constexpr, G: tl.constexpr,
-                 NB: tl.constexpr, NB_P: tl.constexpr, BIAS: tl.constexpr):
+def _page_scores(q, QG, qkeep, scaling, KD, KH, KC, KSC, KZ, kbase, hbase, sbase, cbase, sKDd, sKDg, sKHr, sKHg,
+                 D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr, BIAS: tl.constexpr):
     """Scores of the pre-scaled queries q [R, D] (fp32) against one head of a key page, as four
     tiles [R, G/4]: tile P holds tokens P*G/4 .. (P+1)*G/4 - 1, the page's code plane P.
 
     The dense plane is one [D, G/4] byte load; the compact high plane one [NB, G/4] load, met by the
-    queries of the boosted channels (gathered by a one-hot dot through the boost index, x 4)."""
+    queries of the boosted channels x 4, read through the page's boost index from the query rows in
+    memory (QG [R, 1] pointers, rows where qkeep; a cached gather of NB values per row)."""
     G4: tl.constexpr = G // 4
     d = tl.arange(0, D)
     g = tl.arange(0, G4)
-    ks = tl.load(KSC + ibase + d).to(tl.float32)
-    kz = tl.load(KZ + ibase + d).to(tl.float32)
+    ks = tl.load(KSC + sbase + d).to(tl.float32)
+    kz = tl.load(KZ + sbase + d).to(tl.float32)
     qk = (q * ks[None, :]).to(tl.float16)
     if BIAS:  # the zero and bias terms in one row sum
         shift = tl.sum(q * kz[None, :] - 1024.0 * qk.to(tl.float32), 1)
@@ -132,12 +137,14 @@ def _page_scores(q, KD, KH, KI, KSC, KZ, kbase, hbase, ibase, sKDd, sKDg, sKHr, 
     hraw = raw
     if NB > 0:
         k = tl.arange(0, NB_P)
-        idx = tl.load(KI + ibase + d).to(tl.int32)
-        pick = ((idx[:, None] == k[None, :]) & (k < NB)[None, :]).to(tl.float16)  # [D, NB_P]
-        qb = (tl.dot(qk, pick) * 4.0).to(tl.float16)  # exact: one nonzero term per column
+        listed = k < NB
+        ch = tl.load(KC + cbase + k, mask=listed, other=0).to(tl.int32)  # channel of each high row
+        qg = tl.load(QG + ch[None, :], mask=qkeep & listed[None, :], other=0.0).to(tl.float32) * scaling
+        # x 4 after the fp16 rounding, as (4 * fp16 qk) of the same channel: exact
+        qb = ((qg * tl.load(KSC + sbase + ch).to(tl.float32)[None, :]).to(tl.float16) * 4.0).to(tl.float16)
         if BIAS:
             shift -= 1024.0 * tl.sum(qb.to(tl.float32), 1)
-        hraw = tl.load(KH + hbase + k[:, None] * sKHr + g[None, :] * sKHg, mask=(k < NB)[:, None], other=0)
+        hraw = tl.load(KH + hbase + k[:, None] * sKHr + g[None, :] * sKHg, mask=listed[:, None], other=0)
     s0 = _key_plane_scores(qk, qb, raw, hraw, 0, NB, BIAS) + shift[:, None]
     s1 = _key_plane_scores(qk, qb, raw, hraw, 1, NB, BIAS) + shift[:, None]
     s2 = _key_plane_scores(qk, qb, raw, hraw, 2, NB, BIAS) + shift[:, None]
@@ -248,11 +255,16 @@ def _online_update4(m_i, lt, live, s0, s1, s2, s3):
 
 
 @triton.jit
-def _query_tile(Q, sQb, sQh, b, h, scaling, REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr):
+def _query_rows(Q, sQb, sQh, b, h, REP: tl.constexpr, REP_P: tl.constexpr):
+    """The GQA group's query rows: pointers [REP_P, 1] and which of them are real (rows < REP)."""
+    r = tl.arange(0, REP_P)[:, None]
+    return Q + b * sQb + (h * REP + r) * sQh, r < REP
+
+
+@triton.jit
+def _query_tile(QG, qkeep, scaling, D: tl.constexpr):
     """The GQA group's queries [REP_P, D] (rows >= REP zero), pre-scaled, fp32."""
-    r = tl.arange(0, REP_P)
-    d = tl.arange(0, D)
-    q = tl.load(Q + b * sQb + (h * REP + r)[:, None] * sQh + d[None, :], mask=(r < REP)[:, None], other=0.0)
+    q = tl.load(QG + tl.arange(0, D)[None, :], mask=qkeep, other=0.0)
     return q.to(tl.float32) * scaling
 
 
@@ -273,7 +285,7 @@ def _decode_tail_kernel(
     KS, VS, sSb, sSh, sSt,
     KB, sKBb, sKBh, sKBt,
     VW, sVWb, sVWh, sVWt,
-    KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKIp, sKIh,
+    KD, KH, KC, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKCp, sKCh, sKSp, sKSh,
     VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVLc, sVSp, sVSh,
     KT, VT, sKT, sVT,
     LENS, NKP, NVP,
@@ -288,7 +300,8 @@ def _decode_tail_kernel(
     b = tl.program_id(0) // HKV
     h = tl.program_id(0) % HKV
     chunk = tl.program_id(1)
-    q = _query_tile(Q, sQb, sQh, b, h, scaling, REP, REP_P, D)
+    QG, qkeep = _query_rows(Q, sQb, sQh, b, h, REP, REP_P)
+    q = _query_tile(QG, qkeep, scaling, D)
     q16 = q.to(tl.float16)
     n = tl.load(LENS + b)
     n_vp = tl.load(NVP + b)
@@ -308,8 +321,9 @@ def _decode_tail_kernel(
         if count > 0:
             if c < tl.load(NKP + b):
                 page = tl.load(KT + b * sKT + c)
-                s0, s1, s2, s3 = _page_scores(q, KD, KH, KI, KSC, KZ, page * sKDp + h * sKDh, page * sKHp + h * sKHh,
-                                              page * sKIp + h * sKIh, sKDd, sKDg, sKHr, sKHg, D, G, NB, NB_P, BIAS)
+                s0, s1, s2, s3 = _page_scores(q, QG, qkeep, scaling, KD, KH, KC, KSC, KZ, page * sKDp + h * sKDh,
+                                              page * sKHp + h * sKHh, page * sKSp + h * sKSh, page * sKCp + h * sKCh,
+                                              sKDd, sKDg, sKHr, sKHg, D, G, NB, NB_P, BIAS)
                 s0 = _mask_part(s0, count, 0, G4)
                 s1 = _mask_part(s1, count, 1, G4)
                 s2 = _mask_part(s2, count, 2, G4)
@@ -338,7 +352,7 @@ def _decode_pages_kernel(
     KS, VS, sSb, sSh, sSt,
     KB, sKBb, sKBh, sKBt,
     VW, sVWb, sVWh, sVWt,
-    KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKIp, sKIh,
+    KD, KH, KC, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKCp, sKCh, sKSp, sKSh,
     VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVLc, sVSp, sVSh,
     KT, VT, sKT, sVT,
     LENS, NKP, NVP,
@@ -356,7 +370,8 @@ def _decode_pages_kernel(
     b = tl.program_id(0) // HKV
     h = tl.program_id(0) % HKV
     chunk = tl.program_id(1)
-    q = _query_tile(Q, sQb, sQh, b, h, scaling, REP, REP_P, D)
+    QG, qkeep = _query_rows(Q, sQb, sQh, b, h, REP, REP_P)
+    q = _query_tile(QG, qkeep, scaling, D)
     d = tl.arange(0, D)
     n_vp = tl.load(NVP + b)
     m_i = tl.full((REP_P,), float("-inf"), tl.float32)
@@ -391,8 +406,9 @@ def _decode_pages_kernel(
                 kseen += kraw.to(tl.int32)  # element-wise: no reduction per page
                 vseen += vraw.to(tl.int32)
             else:
-                s0, s1, s2, s3 = _page_scores(q, KD, KH, KI, KSC, KZ, kpage * sKDp + h * sKDh,
-                                              kpage * sKHp + h * sKHh, kpage * sKIp + h * sKIh, sKDd, sKDg, sKHr, sKHg,
+                s0, s1, s2, s3 = _page_scores(q, QG, qkeep, scaling, KD, KH, KC, KSC, KZ, kpage * sKDp + h * sKDh,
+                                              kpage * sKHp + h * sKHh, kpage * sKSp + h * sKSh,
+                                              kpage * sKCp + h * sKCh, sKDd, sKDg, sKHr, sKHg,
                                               D, G, NB, NB_P, BIAS)
                 m_i, lt, alpha, p0, p1, p2, p3 = _online_update4(m_i, lt, live, s0, s1, s2, s3)
                 a0 = a0 * alpha
@@ -471,9 +487,9 @@ def _kernel_args(layer, st):
         ks, vs, ks.stride(0), ks.stride(1), ks.stride(2),
         kb, kb.stride(0), kb.stride(1), kb.stride(2),
         vw, vw.stride(0), vw.stride(1), vw.stride(2),
-        kp["dense"], kp["high"], kp["boost_idx"], kp["scale"], kp["zero"],
+        kp["dense"], kp["high"], kp["boost_ch"], kp["scale"], kp["zero"],
         *kp["dense"].stride(), *kp["high"].stride(),
-        kp["scale"].stride(0), kp["scale"].stride(1),
+        kp["boost_ch"].stride(0), kp["boost_ch"].stride(1), kp["scale"].stride(0), kp["scale"].stride(1),
         vp["low"], vp["high"], vp["scale"], vp["zero"],
         *vp["low"].stride(), vp["scale"].stride(0), vp["scale"].stride(1),
         st["k_table"], st["v_table"], st["k_table"].stride(0), st["v_table"].stride(0),
@@ -483,7 +499,7 @@ def _kernel_args(layer, st):
 
 def _constants(layer, query):
     c, rep = layer.config, query.shape[1] // layer.heads
-    return dict(HKV=layer.heads, REP=rep, REP_P=max(16, triton.next_power_of_2(rep)), D=layer.head_dim,
+    return dict(HKV=layer.heads, REP=rep, REP_P=max(4, triton.next_power_of_2(rep)), D=layer.head_dim,
                 G=c.group_size, S=c.sink, S_P=max(16, triton.next_power_of_2(max(c.sink, 1))),
                 NB=layer.n_boost, NB_P=max(16, triton.next_power_of_2(max(layer.n_boost, 1))),
                 V4=c.value_bits == 4)
@@ -492,7 +508,7 @@ def _constants(layer, query):
 def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                     state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
                     num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
-                    max_registers: int | None = None, cuda: bool | None = None):
+                    max_registers: int | None = 128, cuda: bool | None = None):
     """The fused step as kernel launches: ([(kernel, grid, args, options), ...], output tensor).
     `cuda` (default: where the query is) picks the CUDA code paths; `kernels.compile` builds the
     launches for a CUDA target on a machine without a GPU."""
@@ -501,8 +517,8 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
     st = state if state is not None else layer.kernel_state()
     b, hq, _, d = query.shape
     slots, nt = st["max_slots"], _tail_slots(layer.config)
-    # enough programs to fill the GPU (about 8 per SM of an H200), as few partials as that allows
-    ppp = pages_per_program or 1 << (max(1, min(16, b * layer.heads * slots // 1056)).bit_length() - 1)
+    # enough programs to fill the GPU (about 4 per SM of an H200), as few partials as that allows
+    ppp = pages_per_program or 1 << (max(1, min(16, b * layer.heads * slots // 528)).bit_length() - 1)
     if ppp & (ppp - 1):
         raise ValueError(f"pages_per_program must be a power of two, got {ppp}")
     n_chunks = 1 + nt + -(-slots // ppp)
@@ -535,15 +551,16 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
 def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                      state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
                      num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
-                     max_registers: int | None = None) -> torch.Tensor:
+                     max_registers: int | None = 128) -> torch.Tensor:
     """Attention of one new query token per sequence over a Kitty layer's state, fused.
 
     query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16).
     `state` is `layer.kernel_state()` (built here if not given); `workspace` keeps the partials.
-    Launch settings (page kernel): two warps per program, no register cap. A program's query tile is
-    a tensor-core operand every warp holds whole, so fewer warps issue fewer instructions per page;
-    on an H200 (`python -m kitty_core.bench kernels --sweep`) two uncapped warps ran 16% faster than
-    four warps capped at 128 registers, the best setting before codes were unpacked in PTX."""
+    Launch settings (page kernel): two warps per program, at most 128 registers a thread, up to 16
+    pages per program. A program's query tile is a tensor-core operand every warp holds whole, so
+    fewer warps issue fewer instructions per page; on an H200 (`python -m kitty_core.bench kernels
+    --sweep`) this was the fastest of 2/4 warps, capped or not, 8/16 pages, at 64x8K and 8x32K.
+"""
     launches, out = decode_launches(layer, query, scaling, workspace, state, pages_per_program, num_warps,
                                     num_stages, unpack, ablate, max_registers)
     for kernel, grid, args, options in launches:
@@ -561,7 +578,7 @@ def _qk_kernel(
     KS, VS, sSb, sSh, sSt,
     KB, sKBb, sKBh, sKBt,
     VW, sVWb, sVWh, sVWt,
-    KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKIp, sKIh,
+    KD, KH, KC, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKCp, sKCh, sKSp, sKSh,
     VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVLc, sVSp, sVSh,
     KT, VT, sKT, sVT,
     LENS, NKP, NVP,
@@ -576,11 +593,9 @@ def _qk_kernel(
     slot = tl.program_id(1) - 1
     b = pid // HKV
     h = pid % HKV
-    r = tl.arange(0, REP_P)
-    d = tl.arange(0, D)
-    heads = h * REP + r
-    keep = (r < REP)[:, None]
-    q = tl.load(Q + b * sQb + heads[:, None] * sQh + d[None, :], mask=keep, other=0.0).to(tl.float32) * scaling
+    heads = h * REP + tl.arange(0, REP_P)
+    QG, keep = _query_rows(Q, sQb, sQh, b, h, REP, REP_P)
+    q = _query_tile(QG, keep, scaling, D)
     n = tl.load(LENS + b)
     row = SC + b * sSCb + heads[:, None] * sSCh
     if slot < 0:
@@ -595,8 +610,9 @@ def _qk_kernel(
         row = row + S + slot * G
         if slot < tl.load(NKP + b):
             page = tl.load(KT + b * sKT + slot)
-            s0, s1, s2, s3 = _page_scores(q, KD, KH, KI, KSC, KZ, page * sKDp + h * sKDh, page * sKHp + h * sKHh,
-                                          page * sKIp + h * sKIh, sKDd, sKDg, sKHr, sKHg, D, G, NB, NB_P, BIAS)
+            s0, s1, s2, s3 = _page_scores(q, QG, keep, scaling, KD, KH, KC, KSC, KZ, page * sKDp + h * sKDh,
+                                          page * sKHp + h * sKHh, page * sKSp + h * sKSh, page * sKCp + h * sKCh,
+                                          sKDd, sKDg, sKHr, sKHg, D, G, NB, NB_P, BIAS)
         else:
             kb = b * sKBb + h * sKBh
             q16 = q.to(tl.float16)
@@ -617,7 +633,7 @@ def _sv_kernel(
     KS, VS, sSb, sSh, sSt,
     KB, sKBb, sKBh, sKBt,
     VW, sVWb, sVWh, sVWt,
-    KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKIp, sKIh,
+    KD, KH, KC, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKCp, sKCh, sKSp, sKSh,
     VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVLc, sVSp, sVSh,
     KT, VT, sKT, sVT,
     LENS, NKP, NVP,
@@ -707,10 +723,10 @@ def decode_attention_unfused(layer, query: torch.Tensor, scaling: float, state: 
 
 
 @triton.jit
-def _dequant_pages_kernel(KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKIp, sKIh,
+def _dequant_pages_kernel(KD, KH, KC, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKCp, sKCh, sKSp, sKSh,
                           VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVLc, sVSp, sVSh, O, sOp, sOh, sOt,
-                          H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, V4: tl.constexpr,
-                          KEYS: tl.constexpr):
+                          H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr,
+                          V4: tl.constexpr, KEYS: tl.constexpr):
     """One page and head per program, written as [G, D] float32 tokens."""
     pid = tl.program_id(0)
     page = pid // H
@@ -720,13 +736,17 @@ def _dequant_pages_kernel(KD, KH, KI, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKH
         G4: tl.constexpr = G // 4
         d = tl.arange(0, D)
         g = tl.arange(0, G4)
-        ibase = page * sKIp + h * sKIh
+        ibase = page * sKSp + h * sKSh
         raw = tl.load(KD + page * sKDp + h * sKDh + d[:, None] * sKDd + g[None, :] * sKDg)  # [D, G/4]
         hraw = tl.zeros_like(raw)
-        if NB > 0:  # the high plane row of every channel, through the boost index
-            idx = tl.load(KI + ibase + d).to(tl.int32)
-            hraw = tl.load(KH + page * sKHp + h * sKHh + tl.where(idx < NB, idx, 0)[:, None] * sKHr + g[None, :] * sKHg,
-                           mask=(idx < NB)[:, None], other=0)
+        if NB > 0:  # the high plane row of every channel: its position in the boost index, if listed
+            k = tl.arange(0, NB_P)
+            ch = tl.load(KC + page * sKCp + h * sKCh + k, mask=k < NB, other=D)
+            hit = ch[None, :] == d[:, None]  # [D, NB_P]
+            row = tl.sum(tl.where(hit, k[None, :], 0), 1)
+            boosted = tl.sum(hit.to(tl.int32), 1) > 0
+            hraw = tl.load(KH + page * sKHp + h * sKHh + row[:, None] * sKHr + g[None, :] * sKHg,
+                           mask=boosted[:, None], other=0)
         sc = tl.load(KSC + ibase + d).to(tl.float32)[:, None]
         z = tl.load(KZ + ibase + d).to(tl.float32)[:, None]
         for P in tl.static_range(4):  # plane P: tokens P*G/4 ..
@@ -760,7 +780,7 @@ def dequantize_pages(pages) -> torch.Tensor:
     if keys:
         n, h, d, g4 = pages.dense.shape
         g = g4 * 4
-        kd, kh, ki, ksc, kz = pages.dense, pages.high, pages.boost_idx, pages.scale, pages.zero
+        kd, kh, kc, ksc, kz = pages.dense, pages.high, pages.boost_ch, pages.scale, pages.zero
         vl = vh = vsc = vz = kd  # unused
         nb, v4 = pages.n_boost, False
     else:
@@ -769,14 +789,14 @@ def dequantize_pages(pages) -> torch.Tensor:
         vl, vh, vsc, vz = pages.low, pages.high, pages.scale, pages.zero
         if vh.numel() and vh.stride() != vl.stride():  # the kernel reads both planes with one set of strides
             vl, vh = vl.contiguous(), vh.contiguous()
-        kd = kh = ki = ksc = kz = vl  # unused
+        kd = kh = kc = ksc = kz = vl  # unused
         nb, v4 = 0, pages.high.shape[-1] > 0
     out = torch.empty((n, h, g, d), dtype=torch.float32, device=(kd if keys else vl).device)
     _dequant_pages_kernel[(n * h,)](
-        kd, kh, ki, ksc, kz, *kd.stride(), *kh.stride(), ki.stride(0), ki.stride(1),
+        kd, kh, kc, ksc, kz, *kd.stride(), *kh.stride(), kc.stride(0), kc.stride(1), ksc.stride(0), ksc.stride(1),
         vl, vh, vsc, vz, *vl.stride(), vsc.stride(0), vsc.stride(1),
         out, out.stride(0), out.stride(1), out.stride(2),
-        H=h, D=d, G=g, NB=nb, V4=v4, KEYS=keys,
+        H=h, D=d, G=g, NB=nb, NB_P=max(2, triton.next_power_of_2(max(nb, 1))), V4=v4, KEYS=keys,
     )
     return out
 

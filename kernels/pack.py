@@ -8,7 +8,8 @@ axis of `code << 2 * plane`, with no shuffle.
 keys    per-channel min/max over the page's tokens, the top-k channels by the selection rule
         (a rank from pairwise comparisons, ties to the lower channel) get 15 levels, the others 3;
         dense plane = low 2 bits of every channel, high plane = high 2 bits of the boosted
-        channels in ascending channel order (row = running count of boosted channels).
+        channels in ascending channel order (row = running count of boosted channels), and the
+        boost index lists each row's channel.
 values  per-token min/max over the channels, 3 or 15 levels.
 
 Rounding matches torch exactly: the division is IEEE (`div_rn`), and round-half-to-even comes from
@@ -52,7 +53,7 @@ def _bytes(codes, SHIFT: tl.constexpr):
 
 @triton.jit
 def _pack_keys_kernel(X, sXn, sXh, sXt, sXd, QR, sQRn, sQRh,
-                      KD, KH, KI, KSC, KZ, sKDn, sKDh, sKDd, sKHn, sKHh, sKHr, sKIn, sKIh,
+                      KD, KH, KC, KSC, KZ, sKDn, sKDh, sKDd, sKHn, sKHh, sKHr, sKCn, sKCh, sKSn, sKSh,
                       H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, RULE: tl.constexpr):
     G4: tl.constexpr = G // 4
     n = tl.program_id(0) // H
@@ -87,11 +88,11 @@ def _pack_keys_kernel(X, sXn, sXh, sXt, sXd, QR, sQRn, sQRh,
     tl.store(KD + n * sKDn + h * sKDh + d[:, None] * sKDd + g[None, :], _bytes(codes, 0))
     row = tl.cumsum(boosted.to(tl.int32), 0) - 1
     if NB > 0:
-        tl.store(KH + n * sKHn + h * sKHh + tl.where(boosted, row, 0)[:, None] * sKHr + g[None, :],
-                 _bytes(codes, 2), mask=boosted[:, None])
-    tl.store(KI + n * sKIn + h * sKIh + d, tl.where(boosted, row, NB).to(tl.uint8))
-    tl.store(KSC + n * sKIn + h * sKIh + d, scale)
-    tl.store(KZ + n * sKIn + h * sKIh + d, zero)
+        row = tl.where(boosted, row, 0)
+        tl.store(KH + n * sKHn + h * sKHh + row[:, None] * sKHr + g[None, :], _bytes(codes, 2), mask=boosted[:, None])
+        tl.store(KC + n * sKCn + h * sKCh + row, d.to(tl.uint8), mask=boosted)
+    tl.store(KSC + n * sKSn + h * sKSh + d, scale)
+    tl.store(KZ + n * sKSn + h * sKSh + d, zero)
 
 
 @triton.jit
@@ -139,7 +140,7 @@ def quantize_keys(keys: torch.Tensor, n_boost: int, rule: str = "magnitude",
     dev = keys.device
     dense = torch.empty((n, h, d, g // 4), dtype=torch.uint8, device=dev)
     high = torch.empty((n, h, n_boost, g // 4), dtype=torch.uint8, device=dev)
-    idx = torch.empty((n, h, d), dtype=torch.uint8, device=dev)
+    chans = torch.empty((n, h, n_boost), dtype=torch.uint8, device=dev)
     scale = torch.empty((n, h, d), dtype=torch.float16, device=dev)
     zero = torch.empty_like(scale)
     scored = rule == "qk" and 0 < n_boost < d
@@ -147,9 +148,9 @@ def quantize_keys(keys: torch.Tensor, n_boost: int, rule: str = "magnitude",
     if n:
         _pack_keys_kernel[(n * h,)](
             keys, *keys.stride(), qr, qr.stride(0), qr.stride(1),
-            dense, high if n_boost else dense, idx, scale, zero, *dense.stride()[:3], *high.stride()[:3], idx.stride(0), idx.stride(1),
-            H=h, D=d, G=g, NB=n_boost, RULE=RULES[rule], num_warps=8)
-    return KeyPages(dense=dense, high=high, boost_idx=idx, scale=scale, zero=zero)
+            dense, high if n_boost else dense, chans if n_boost else dense, scale, zero, *dense.stride()[:3],
+            *high.stride()[:3], chans.stride(0), chans.stride(1), scale.stride(0), scale.stride(1), H=h, D=d, G=g, NB=n_boost, RULE=RULES[rule], num_warps=8)
+    return KeyPages(dense=dense, high=high, boost_ch=chans, scale=scale, zero=zero)
 
 
 def quantize_values(values: torch.Tensor, bits: int) -> ValuePages:

@@ -587,7 +587,7 @@ class KittyLayer(CacheLayerMixin):
             k, v = self.k_pages.nbytes(), self.v_pages.nbytes()
             parts["key dense plane"] = k["dense"]
             parts["key high plane"] = k["high"]
-            parts["key boost index"] = k["boost_idx"]
+            parts["key boost index"] = k["boost_ch"]
             parts["key scales/zeros"] = k["scale"] + k["zero"]
             parts["value planes"] = v["low"] + v["high"]
             parts["value scales/zeros"] = v["scale"] + v["zero"]

@@ -56,14 +56,14 @@ class KittyConfig:
     def token_bytes(self, head_dim: int) -> dict[str, float]:
         """Bytes per paged token and KV head (keys and values): the planes, and their metadata.
 
-        Keys: D/4 + b/4 bytes of planes, D/G boost index + 4D/G FP16 scale and zero per channel per
-        page; values: D * value_bits / 8 bytes of planes + 4 (FP16 scale and zero per token)."""
+        Keys: D/4 + b/4 bytes of planes, b/G boost index (a byte per boosted channel) + 4D/G FP16
+        scale and zero per channel per page; values: D * value_bits / 8 bytes of planes + 4 (FP16 scale and zero per token)."""
         d = head_dim
         if not self.quantize:
             return {"payload": 4.0 * d, "metadata": 0.0}
         g = self.group_size
         payload = d / 4 + self.boosted_channels(d) / 4 + d * self.value_bits / 8
-        return {"payload": payload, "metadata": d / g + 4 * d / g + 4}
+        return {"payload": payload, "metadata": self.boosted_channels(d) / g + 4 * d / g + 4}
 
     def bits_per_element(self, head_dim: int) -> float:
         """Average stored bits per cached key/value element of a page, metadata included."""

@@ -5,7 +5,7 @@ A page holds G tokens of one sequence for all H KV heads. Leading dims below are
 Key page (per-channel asymmetric quantization over the page's G tokens):
     dense     uint8 [N, H, D, G/4]   low 2 bits of every channel's code (the whole code of INT2 channels)
     high      uint8 [N, H, Db, G/4]  high 2 bits of the Db boosted channels, rows in ascending channel order
-    boost_idx uint8 [N, H, D]        row of channel d in `high`, or Db (the sentinel) if d is not boosted
+    boost_ch  uint8 [N, H, Db]       the page's boost index: the channel of each row of `high`, ascending
     scale     fp16  [N, H, D]        x ~= code * scale + zero, code in [0, 3] or [0, 15] if boosted
     zero      fp16  [N, H, D]
 Value page (per-token asymmetric quantization over the D channels):
@@ -53,7 +53,7 @@ def unpack_2bit(packed: torch.Tensor) -> torch.Tensor:
 class KeyPages:
     dense: torch.Tensor
     high: torch.Tensor
-    boost_idx: torch.Tensor
+    boost_ch: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
 
@@ -129,13 +129,12 @@ def quantize_keys(
         boosted.scatter_(-1, top, True)
     levels = torch.where(boosted, 15.0, 3.0).unsqueeze(-1)  # [N, H, D, 1]
     codes, scale, zero = _minmax_params(x, levels, dim=-1)  # codes [N, H, D, G]
-    rows = torch.cumsum(boosted.to(torch.int32), dim=-1) - 1  # row of each boosted channel, ascending
-    boost_idx = torch.where(boosted, rows, torch.full_like(rows, n_boost)).to(torch.uint8)
     # the boosted channels in ascending order: a stable sort puts True first without reordering them
     order = torch.sort((~boosted).to(torch.uint8), dim=-1, stable=True).indices[..., :n_boost]
     high_codes = torch.gather(codes >> 2, -2, order.unsqueeze(-1).expand(n, h, n_boost, g))
     return KeyPages(
-        dense=pack_2bit(codes & 3), high=pack_2bit(high_codes), boost_idx=boost_idx, scale=scale, zero=zero
+        dense=pack_2bit(codes & 3), high=pack_2bit(high_codes), boost_ch=order.to(torch.uint8), scale=scale,
+        zero=zero,
     )
 
 
@@ -145,10 +144,8 @@ def key_codes(pages: KeyPages) -> torch.Tensor:
     if pages.n_boost == 0:
         return low
     high = unpack_2bit(pages.high)  # [N, H, Db, G]
-    idx = pages.boost_idx.long()
-    is_boosted = idx < pages.n_boost
-    row = torch.gather(high, -2, idx.clamp_max(pages.n_boost - 1).unsqueeze(-1).expand_as(low))
-    return low | torch.where(is_boosted.unsqueeze(-1), row, torch.zeros_like(row)) << 2
+    rows = pages.boost_ch.long().unsqueeze(-1).expand_as(high)
+    return low | torch.zeros_like(low).scatter_(-2, rows, high) << 2
 
 
 def dequantize_keys(pages: KeyPages, dtype: torch.dtype = torch.float32) -> torch.Tensor:

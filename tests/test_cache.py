@@ -70,7 +70,7 @@ def test_bytes_by_part_follow_the_layout():
     assert parts["key sink"] == S * H * D * 4  # fp32 model dtype here
     assert parts["key dense plane"] == kp * H * D * G // 4
     assert parts["key high plane"] == kp * H * (D // 4) * G // 4
-    assert parts["key boost index"] == kp * H * D
+    assert parts["key boost index"] == kp * H * (D // 4)  # a byte per boosted channel
     assert parts["key scales/zeros"] == kp * H * D * 4
     assert parts["value planes"] == vp * H * G * D // 4
     assert parts["value scales/zeros"] == vp * H * G * 4
@@ -178,14 +178,14 @@ def test_bytes_per_token_at_8k_match_the_formula(demo):
     key_pages = (8192 - 32) // G
     value_pages = (8192 - 32 - 128) // G
     per_token_head = {  # DESIGN.md: keys D/4 + f*D/4 + D/G + 4D/G, values D/4 + 4 bytes
-        "key dense plane": D / 4, "key high plane": f * D / 4, "key boost index": D / G, "key scales/zeros": 4 * D / G,
+        "key dense plane": D / 4, "key high plane": f * D / 4, "key boost index": f * D / G, "key scales/zeros": 4 * D / G,
     }
     for part, per in per_token_head.items():
         assert report[part] / (layers * H * key_pages * G) == pytest.approx(per)
     assert report["value planes"] / (layers * H * value_pages * G) == pytest.approx(D / 4)
     assert report["value scales/zeros"] / (layers * H * value_pages * G) == pytest.approx(4)
     paged = sum(report[p] for p in per_token_head) / (layers * key_pages * G)
-    assert paged == pytest.approx(H * (16 + 4 + 0.5 + 2))  # 67.5 bytes per token per layer for keys
+    assert paged == pytest.approx(H * (16 + 4 + 0.125 + 2))  # 66.375 bytes per token per layer for keys
     k_buffer = (8192 - 32) % G  # 96 keys wait for the next page
     v_window = 8192 - 32 - value_pages * G  # 224 values: the window of 128 and 96 waiting
     fp_parts = report[["key sink", "value sink", "key q_buffer", "value window + q_buffer"]].sum()

@@ -112,7 +112,7 @@ def test_key_pack_kernel_gives_the_reference_pages(rule, n_boost):
     x = (torch.randn(3, 2, GROUP, DIM, device=DEVICE) * torch.linspace(0.5, 4, DIM, device=DEVICE)).to(torch.bfloat16)
     rms = torch.rand(1, 2, DIM, device=DEVICE)
     got, want = quantize_keys(x, n_boost, rule, rms), quant.quantize_keys(x, n_boost, rule, None, rms)
-    for field in ("dense", "high", "boost_idx", "scale", "zero"):
+    for field in ("dense", "high", "boost_ch", "scale", "zero"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
 
 

@@ -39,16 +39,16 @@ def test_key_pages_layout_and_error_bound(n_boost):
     p = quantize_keys(x, n_boost)
     n, h, g, d = x.shape
     assert p.dense.shape == (n, h, d, g // 4) and p.high.shape == (n, h, n_boost, g // 4)
-    assert p.boost_idx.shape == (n, h, d) and p.boost_idx.dtype == torch.uint8
+    assert p.boost_ch.shape == (n, h, n_boost) and p.boost_ch.dtype == torch.uint8
     assert p.scale.dtype == torch.float16 and p.scale.shape == (n, h, d)
-    boosted = p.boost_idx < n_boost
+    # the boost index lists distinct channels, ascending: row r of `high` is channel boost_ch[r]
+    assert (p.boost_ch[..., 1:] > p.boost_ch[..., :-1]).all()
+    boosted = torch.zeros((n, h, d), dtype=torch.bool).scatter_(-1, p.boost_ch.long(), True)
     assert boosted.sum(-1).eq(n_boost).all()
-    # compact rows follow ascending channel order
-    for i in range(n):
-        for j in range(h):
-            ch = boosted[i, j].nonzero().flatten()
-            assert torch.equal(p.boost_idx[i, j, ch].long(), torch.arange(len(ch)))
     codes = key_codes(p)
+    if n_boost:  # the high plane's rows are the high bits of the listed channels' codes
+        rows = codes.gather(-2, p.boost_ch.long().unsqueeze(-1).expand(n, h, n_boost, g))
+        assert torch.equal(unpack_2bit(p.high), rows >> 2)
     assert codes.max() <= 15 and (codes[~boosted.unsqueeze(-1).expand_as(codes)] <= 3).all()
     err = (dequantize_keys(p) - x).abs().transpose(-1, -2)  # [N, H, D, G]
     bound = p.scale.float().unsqueeze(-1) / 2 + 1e-3 * x.abs().amax()  # half a step, plus fp16 rounding of zero
@@ -57,8 +57,7 @@ def test_key_pages_layout_and_error_bound(n_boost):
 
 def test_magnitude_rule_boosts_the_outlier_channels():
     p = quantize_keys(_keys_with_outliers(outliers=(3, 11)), 2)
-    boosted = (p.boost_idx < 2).nonzero()[:, -1].reshape(2, 3, 2)
-    assert (boosted == torch.tensor([3, 11])).all()
+    assert (p.boost_ch.long() == torch.tensor([3, 11])).all()
 
 
 def test_boosting_lowers_the_error():
@@ -72,7 +71,7 @@ def test_random_rule_is_seeded_and_differs_from_magnitude():
     a = quantize_keys(x, 4, "random", torch.Generator().manual_seed(1))
     b = quantize_keys(x, 4, "random", torch.Generator().manual_seed(1))
     m = quantize_keys(x, 4, "magnitude")
-    assert torch.equal(a.boost_idx, b.boost_idx) and not torch.equal(a.boost_idx, m.boost_idx)
+    assert torch.equal(a.boost_ch, b.boost_ch) and not torch.equal(a.boost_ch, m.boost_ch)
 
 
 @pytest.mark.parametrize("bits", [2, 4])
