@@ -27,3 +27,47 @@ def test_integral_holds_the_ends_and_stays_in_range():
     assert integrate([0, 1000], [1.0, 3.0], 0, 1000) == pytest.approx(2000.0)
     # a point past the end is interpolated at the end, not integrated beyond it
     assert integrate([0, 2000], [1.0, 3.0], 0, 1000) == pytest.approx(1000 * (1.0 + 2.0) / 2)
+
+
+def test_fp16_baseline_decodes_as_transformers_does():
+    """fp16-prealloc (its own SDPA backends) gives the logits of a DynamicCache, step after step."""
+    import torch
+    from transformers import DynamicCache
+
+    from conftest import tiny_model
+    from kitty_core.throughput import forward, make_cache
+
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, 256, (2, 12))
+    ours, theirs = make_cache("fp16-prealloc", model, 16), DynamicCache(config=model.config)
+    with torch.inference_mode():
+        for s in (slice(0, 9), slice(9, 10), slice(10, 11), slice(11, 12)):
+            a = forward(model, ours, ids[:, s]).logits
+            b = model(input_ids=ids[:, s], past_key_values=theirs, use_cache=True, logits_to_keep=1).logits
+            torch.testing.assert_close(a, b)
+    assert ours.get_seq_length() == 12
+
+
+def test_sweep_prefills_in_smaller_chunks_before_it_backs_the_batch_off(monkeypatch):
+    """Out of memory in a prefill at the max batch: smaller prefill chunks first, then 10% less batch."""
+    import torch
+
+    from kitty_core import throughput
+
+    def search(*args, **kwargs):
+        yield {"cache": "kitty", "batch": 100, "fits": True}
+        return 100, 200
+
+    calls = []
+
+    def measure(model, kind, batch, prompt, generate, points, prefill_chunk):
+        calls.append((batch, prefill_chunk))
+        if batch * prefill_chunk > 90 * 32:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return {"cache": kind, "batch": batch, "prefill_chunk": prefill_chunk}
+
+    monkeypatch.setattr(throughput, "search", search)
+    monkeypatch.setattr(throughput, "measure", measure)
+    points = [row for what, row in throughput.sweep(None, ["kitty"], 512, 64) if what == "point"]
+    assert calls == [(100, 512), (100, 128), (100, 32), (90, 32)]
+    assert points == [{"cache": "kitty", "batch": 90, "prefill_chunk": 32, "at": "max batch", "max_batch": 100}]
