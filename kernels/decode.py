@@ -191,6 +191,91 @@ def _page_values_part(p, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase, s
 
 
 @triton.jit
+def _key_plane_scores_t(qk, qb, raw, hraw, P: tl.constexpr, NB: tl.constexpr, BIAS: tl.constexpr):
+    """Scores [G/4, R] of the tokens of plane P, tokens as the rows of the tensor-core tile."""
+    s = tl.dot(_plane_f16(raw, P, BIAS), qk)
+    if NB > 0:
+        s = tl.dot(_plane_f16(hraw, P, BIAS), qb, s)
+    return s
+
+
+@triton.jit
+def _page_scores_t(qt, QGT, qkeep, scaling, KD, KH, KC, KSC, KZ, kbase, hbase, sbase, cbase, sKDd, sKDg, sKHr,
+                   sKHg, D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr,
+                   BIAS: tl.constexpr):
+    """`_page_scores` transposed: queries qt [D, R], scores [G/4, R] (tokens down, query heads across)."""
+    G4: tl.constexpr = G // 4
+    d = tl.arange(0, D)
+    g = tl.arange(0, G4)
+    ks = tl.load(KSC + sbase + d).to(tl.float32)
+    kz = tl.load(KZ + sbase + d).to(tl.float32)
+    qk = (qt * ks[:, None]).to(tl.float16)
+    if BIAS:
+        shift = tl.sum(qt * kz[:, None] - 1024.0 * qk.to(tl.float32), 0)
+    else:
+        shift = tl.sum(qt * kz[:, None], 0)
+    raw = tl.load(KD + kbase + g[:, None] * sKDg + d[None, :] * sKDd)  # [G/4, D]
+    qb = qk
+    hraw = raw
+    if NB > 0:
+        k = tl.arange(0, NB_P)
+        listed = k < NB
+        ch = tl.load(KC + cbase + k, mask=listed, other=0).to(tl.int32)
+        qg = tl.load(QGT + ch[:, None], mask=qkeep & listed[:, None], other=0.0).to(tl.float32) * scaling
+        qb = ((qg * tl.load(KSC + sbase + ch).to(tl.float32)[:, None]).to(tl.float16) * 4.0).to(tl.float16)
+        if BIAS:
+            shift -= 1024.0 * tl.sum(qb.to(tl.float32), 0)
+        hraw = tl.load(KH + hbase + g[:, None] * sKHg + k[None, :] * sKHr, mask=listed[None, :], other=0)
+    s0 = _key_plane_scores_t(qk, qb, raw, hraw, 0, NB, BIAS) + shift[None, :]
+    s1 = _key_plane_scores_t(qk, qb, raw, hraw, 1, NB, BIAS) + shift[None, :]
+    s2 = _key_plane_scores_t(qk, qb, raw, hraw, 2, NB, BIAS) + shift[None, :]
+    s3 = _key_plane_scores_t(qk, qb, raw, hraw, 3, NB, BIAS) + shift[None, :]
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _page_values_part_t(p, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase, sVLt, sVLc, T: tl.constexpr,
+                        D: tl.constexpr, G: tl.constexpr, V4: tl.constexpr, BIAS: tl.constexpr):
+    """`_page_values_part` transposed: p [G/4, R], accumulators [D/4, R], shift [G/4, R]."""
+    G4: tl.constexpr = G // 4
+    D4: tl.constexpr = D // 4
+    t = T * G4 + tl.arange(0, G4)
+    vs = tl.load(VSC + sbase + t).to(tl.float32)
+    vz = tl.load(VZ + sbase + t).to(tl.float32)
+    pw = (p * vs[:, None]).to(tl.float16)
+    shift += p * vz[:, None]
+    if BIAS:
+        shift -= 1024.0 * pw.to(tl.float32)
+    offs = vbase + tl.arange(0, D4)[:, None] * sVLc + t[None, :] * sVLt  # [D/4, G/4]
+    raw = tl.load(VL + offs)
+    hraw = raw
+    if V4:
+        hraw = tl.load(VH + offs)
+    a0 = tl.dot(_value_plane(raw, hraw, 0, V4, BIAS), pw, a0)
+    a1 = tl.dot(_value_plane(raw, hraw, 1, V4, BIAS), pw, a1)
+    a2 = tl.dot(_value_plane(raw, hraw, 2, V4, BIAS), pw, a2)
+    a3 = tl.dot(_value_plane(raw, hraw, 3, V4, BIAS), pw, a3)
+    return a0, a1, a2, a3, shift
+
+
+@triton.jit
+def _online_update4_t(m_i, lt, live, s0, s1, s2, s3):
+    """`_online_update4` on transposed tiles [G/4, R]: the max runs down the columns."""
+    s0 = tl.where(live, s0, float("-inf"))
+    s1 = tl.where(live, s1, float("-inf"))
+    s2 = tl.where(live, s2, float("-inf"))
+    s3 = tl.where(live, s3, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)[None, :]
+    alpha = tl.exp(m_i[None, :] - m_safe)
+    p0 = tl.exp(s0 - m_safe)
+    p1 = tl.exp(s1 - m_safe)
+    p2 = tl.exp(s2 - m_safe)
+    p3 = tl.exp(s3 - m_safe)
+    return m_new, lt * alpha + ((p0 + p1) + (p2 + p3)), alpha, p0, p1, p2, p3
+
+
+@triton.jit
 def _cat(a, b):
     """[R, n] and [R, n] -> [R, 2n], a then b along the last dim."""
     return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
@@ -360,7 +445,7 @@ def _decode_pages_kernel(
     scaling,
     HKV: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr, V4: tl.constexpr,
-    PPP: tl.constexpr, NT: tl.constexpr, BIAS: tl.constexpr, ABLATE: tl.constexpr,
+    PPP: tl.constexpr, NT: tl.constexpr, BIAS: tl.constexpr, ABLATE: tl.constexpr, TRANS: tl.constexpr = 0,
 ):
     """PPP page slots whose keys and values are both packed, from slot program_id(1) * PPP, into
     partial NT + 1 + program_id(1). ABLATE (diagnostics for `bench kernels --ablate`, 0 in use):
@@ -382,7 +467,44 @@ def _decode_pages_kernel(
     slots = tl.arange(0, PPP)
     kpages = tl.load(KT + b * sKT + first + slots, mask=first + slots < n_vp, other=0)
     vpages = tl.load(VT + b * sVT + first + slots, mask=first + slots < n_vp, other=0)
-    if first < n_vp:
+    if TRANS:
+        if first < n_vp:
+            r = tl.arange(0, REP_P)
+            QGT = Q + b * sQb + (h * REP + r)[None, :] * sQh
+            keept = (r < REP)[None, :]
+            qt = tl.trans(q)
+            a0 = tl.zeros((D4, REP_P), tl.float32)
+            a1 = tl.zeros((D4, REP_P), tl.float32)
+            a2 = tl.zeros((D4, REP_P), tl.float32)
+            a3 = tl.zeros((D4, REP_P), tl.float32)
+            lt = tl.zeros((G4, REP_P), tl.float32)
+            shift = tl.zeros((G4, REP_P), tl.float32)
+            for i in range(PPP):
+                live = first + i < n_vp
+                kpage = tl.sum(tl.where(slots == i, kpages, 0))
+                vpage = tl.sum(tl.where(slots == i, vpages, 0))
+                s0, s1, s2, s3 = _page_scores_t(qt, QGT, keept, scaling, KD, KH, KC, KSC, KZ, kpage * sKDp + h * sKDh,
+                                                kpage * sKHp + h * sKHh, kpage * sKSp + h * sKSh,
+                                                kpage * sKCp + h * sKCh, sKDd, sKDg, sKHr, sKHg, D, G, NB, NB_P, BIAS)
+                m_i, lt, alpha, p0, p1, p2, p3 = _online_update4_t(m_i, lt, live, s0, s1, s2, s3)
+                a0 = a0 * alpha
+                a1 = a1 * alpha
+                a2 = a2 * alpha
+                a3 = a3 * alpha
+                shift = shift * alpha
+                vbase = vpage * sVLp + h * sVLh
+                sbase = vpage * sVSp + h * sVSh
+                a0, a1, a2, a3, shift = _page_values_part_t(p0, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
+                                                            sbase, sVLt, sVLc, 0, D, G, V4, BIAS)
+                a0, a1, a2, a3, shift = _page_values_part_t(p1, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
+                                                            sbase, sVLt, sVLc, 1, D, G, V4, BIAS)
+                a0, a1, a2, a3, shift = _page_values_part_t(p2, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
+                                                            sbase, sVLt, sVLc, 2, D, G, V4, BIAS)
+                a0, a1, a2, a3, shift = _page_values_part_t(p3, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
+                                                            sbase, sVLt, sVLc, 3, D, G, V4, BIAS)
+            l_i += tl.sum(lt, 0)
+            acc = _cat4(tl.trans(a0), tl.trans(a1), tl.trans(a2), tl.trans(a3)) + tl.sum(shift, 0)[:, None]
+    elif first < n_vp:
         a0 = tl.zeros((REP_P, D4), tl.float32)
         a1 = tl.zeros((REP_P, D4), tl.float32)
         a2 = tl.zeros((REP_P, D4), tl.float32)
@@ -508,7 +630,7 @@ def _constants(layer, query):
 def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                     state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
                     num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
-                    max_registers: int | None = 128, cuda: bool | None = None):
+                    max_registers: int | None = 128, cuda: bool | None = None, transposed: bool = True):
     """The fused step as kernel launches: ([(kernel, grid, args, options), ...], output tensor).
     `cuda` (default: where the query is) picks the CUDA code paths; `kernels.compile` builds the
     launches for a CUDA target on a machine without a GPU."""
@@ -535,7 +657,7 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
     consts = dict(**_constants(layer, query), PPP=ppp, NT=nt, BIAS=_bias(unpack, cuda), ABLATE=ablate)
     # two launches: the FP16 sink and tail would otherwise size every page program's registers and
     # shared memory, and so how many of them an SM holds
-    pages = dict(consts, num_warps=num_warps, num_stages=num_stages)
+    pages = dict(consts, num_warps=num_warps, num_stages=num_stages, TRANS=int(transposed and not ablate))
     if max_registers and cuda:
         pages["maxnreg"] = max_registers
     out = torch.empty((b, hq, 1, d), device=q.device, dtype=query.dtype)
@@ -551,7 +673,7 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
 def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                      state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
                      num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
-                     max_registers: int | None = 128) -> torch.Tensor:
+                     max_registers: int | None = 128, transposed: bool = True) -> torch.Tensor:
     """Attention of one new query token per sequence over a Kitty layer's state, fused.
 
     query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16).
@@ -562,7 +684,7 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     --sweep`) this was the fastest of 2/4 warps, capped or not, 8/16 pages, at 64x8K and 8x32K.
 """
     launches, out = decode_launches(layer, query, scaling, workspace, state, pages_per_program, num_warps,
-                                    num_stages, unpack, ablate, max_registers)
+                                    num_stages, unpack, ablate, max_registers, transposed=transposed)
     for kernel, grid, args, options in launches:
         kernel[grid](*args, **options)
     return out
