@@ -3,7 +3,7 @@ of them: registers, spills, shared memory and the SASS instruction mix of each k
 
     python -m kernels.compile                          # Qwen3-8B attention, kitty-pro, sm_90
     python -m kernels.compile --unpack bits,ptx --method kitty+boost_rate=0
-    python -m kernels.compile --warps 4 --max-registers 128
+    python -m kernels.compile --warps 4 --max-registers 0
 
 Triton's wheel ships ptxas and cuobjdump, so this needs neither a GPU nor a CUDA install. It shows
 what a kernel change does to the instruction stream before any GPU time is spent; the speed itself
@@ -98,7 +98,8 @@ def inspect(compiled) -> dict:
     row = {"registers": int(reg.group(1)) if reg else None, "spill_ops": ops["STL"] + ops["LDL"],
            "shared_bytes": compiled.metadata.shared, **mix(ops)}
     if loop:
-        row.update(mix(Counter(op.split(".")[0] for at, op in lines if loop[0] <= at <= loop[1]), "loop_"))
+        loop_ops = Counter(op.split(".")[0] for at, op in lines if loop[0] <= at <= loop[1])
+        row.update(mix(loop_ops, "loop_"), loop_spill_ops=loop_ops["STL"] + loop_ops["LDL"])
     row["sass"] = sass
     return row
 
@@ -149,14 +150,15 @@ def main(argv=None) -> int:
     p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--warps", type=int, default=None, help="page kernel warps (default: the launch default)")
-    p.add_argument("--max-registers", type=int, default=None)
-    p.add_argument("--columns", default="kernel,unpack,warps,registers,spill_ops,shared_bytes,instructions,"
+    p.add_argument("--max-registers", type=int, default=None, help="page kernel cap (default: the launch "
+                   "default; 0: none)")
+    p.add_argument("--columns", default="kernel,unpack,warps,registers,spill_ops,loop_spill_ops,shared_bytes,instructions,"
                    "loop_instructions,warp_instructions_per_page,"
                    "loop_tensor core,loop_integer/bit,loop_shared,loop_float,loop_shuffle,loop_other")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("unset TRITON_INTERPRET: the interpreter does not compile")
-    launch = {"max_registers": a.max_registers}
+    launch = {} if a.max_registers is None else {"max_registers": a.max_registers or None}
     if a.warps:
         launch["num_warps"] = a.warps
     df = report(a.method, a.unpack.split(","), a.q_heads, a.kv_heads, a.head_dim, a.arch, **launch)

@@ -26,8 +26,11 @@ number 1024 + code, and the 1024 is taken out after the dot (1024 x the row sum 
 operand). On CUDA, inline PTX builds these patterns four codes at a time (a shift, a mask, two byte
 permutes; `_unpack_ptx`). Per-channel key scales are folded into the query
 (q.k = sum (q_d s_d) c_d + sum q_d z_d), per-token value scales into the probabilities.
-Query tiles are 4 rows (the GQA group of Qwen3 and Llama 3) rather than the 16 of a tensor-core
-tile: Triton pads the dot, and the softmax and rescaling work on a quarter of the elements.
+The page kernel works on transposed tiles: page rows (tokens for the keys, channels for the
+values) are the 16 rows of a tensor-core tile and the GQA group's query heads its column operand,
+padded to 8 rather than 16, and no longer duplicated into every row block: half the tensor-core
+instructions, none of the register moves that assembled a padded query operand, and softmax and
+rescaling on [G/4, 4] tiles. Query tiles elsewhere are 4 rows (Triton pads the dot).
 The kernels take every stride of the planes: `kitty_core.cache.PagePool` stores them with the
 reduced axis contiguous (key channels, value tokens), so that a tensor-core operand reads four codes'
 bytes at once from shared memory. `python -m kernels.compile` shows what ptxas makes of all this.
@@ -445,7 +448,7 @@ def _decode_pages_kernel(
     scaling,
     HKV: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr, V4: tl.constexpr,
-    PPP: tl.constexpr, NT: tl.constexpr, BIAS: tl.constexpr, ABLATE: tl.constexpr, TRANS: tl.constexpr = 0,
+    PPP: tl.constexpr, NT: tl.constexpr, BIAS: tl.constexpr, ABLATE: tl.constexpr,
 ):
     """PPP page slots whose keys and values are both packed, from slot program_id(1) * PPP, into
     partial NT + 1 + program_id(1). ABLATE (diagnostics for `bench kernels --ablate`, 0 in use):
@@ -467,72 +470,41 @@ def _decode_pages_kernel(
     slots = tl.arange(0, PPP)
     kpages = tl.load(KT + b * sKT + first + slots, mask=first + slots < n_vp, other=0)
     vpages = tl.load(VT + b * sVT + first + slots, mask=first + slots < n_vp, other=0)
-    if TRANS:
-        if first < n_vp:
-            r = tl.arange(0, REP_P)
-            QGT = Q + b * sQb + (h * REP + r)[None, :] * sQh
-            keept = (r < REP)[None, :]
-            qt = tl.trans(q)
-            a0 = tl.zeros((D4, REP_P), tl.float32)
-            a1 = tl.zeros((D4, REP_P), tl.float32)
-            a2 = tl.zeros((D4, REP_P), tl.float32)
-            a3 = tl.zeros((D4, REP_P), tl.float32)
-            lt = tl.zeros((G4, REP_P), tl.float32)
-            shift = tl.zeros((G4, REP_P), tl.float32)
-            for i in range(PPP):
-                live = first + i < n_vp
-                kpage = tl.sum(tl.where(slots == i, kpages, 0))
-                vpage = tl.sum(tl.where(slots == i, vpages, 0))
-                s0, s1, s2, s3 = _page_scores_t(qt, QGT, keept, scaling, KD, KH, KC, KSC, KZ, kpage * sKDp + h * sKDh,
-                                                kpage * sKHp + h * sKHh, kpage * sKSp + h * sKSh,
-                                                kpage * sKCp + h * sKCh, sKDd, sKDg, sKHr, sKHg, D, G, NB, NB_P, BIAS)
-                m_i, lt, alpha, p0, p1, p2, p3 = _online_update4_t(m_i, lt, live, s0, s1, s2, s3)
-                a0 = a0 * alpha
-                a1 = a1 * alpha
-                a2 = a2 * alpha
-                a3 = a3 * alpha
-                shift = shift * alpha
-                vbase = vpage * sVLp + h * sVLh
-                sbase = vpage * sVSp + h * sVSh
-                a0, a1, a2, a3, shift = _page_values_part_t(p0, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                            sbase, sVLt, sVLc, 0, D, G, V4, BIAS)
-                a0, a1, a2, a3, shift = _page_values_part_t(p1, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                            sbase, sVLt, sVLc, 1, D, G, V4, BIAS)
-                a0, a1, a2, a3, shift = _page_values_part_t(p2, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                            sbase, sVLt, sVLc, 2, D, G, V4, BIAS)
-                a0, a1, a2, a3, shift = _page_values_part_t(p3, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                            sbase, sVLt, sVLc, 3, D, G, V4, BIAS)
-            l_i += tl.sum(lt, 0)
-            acc = _cat4(tl.trans(a0), tl.trans(a1), tl.trans(a2), tl.trans(a3)) + tl.sum(shift, 0)[:, None]
-    elif first < n_vp:
-        a0 = tl.zeros((REP_P, D4), tl.float32)
-        a1 = tl.zeros((REP_P, D4), tl.float32)
-        a2 = tl.zeros((REP_P, D4), tl.float32)
-        a3 = tl.zeros((REP_P, D4), tl.float32)
-        # the softmax denominator and the values' zero/bias terms stay [R, G/4] tiles, rescaled with
-        # the accumulators and summed over their columns once after the loop
-        lt = tl.zeros((REP_P, G4), tl.float32)
-        shift = tl.zeros((REP_P, G4), tl.float32)
+    if first < n_vp:
+        # query heads across the tiles, tokens (keys) or channels (values) down: the tensor-core
+        # tile's 16 rows are page rows, and the 4 query heads are its (8-wide) column operand
+        r = tl.arange(0, REP_P)
+        QGT = Q + b * sQb + (h * REP + r)[None, :] * sQh
+        keept = (r < REP)[None, :]
+        qt = tl.trans(q)
+        a0 = tl.zeros((D4, REP_P), tl.float32)
+        a1 = tl.zeros((D4, REP_P), tl.float32)
+        a2 = tl.zeros((D4, REP_P), tl.float32)
+        a3 = tl.zeros((D4, REP_P), tl.float32)
+        # the softmax denominator and the values' zero/bias terms stay [G/4, R] tiles, rescaled with
+        # the accumulators and summed down their columns once after the loop
+        lt = tl.zeros((G4, REP_P), tl.float32)
+        shift = tl.zeros((G4, REP_P), tl.float32)
         if ABLATE == 2:
-            kseen = tl.zeros((D, G4), tl.int32)
-            vseen = tl.zeros((G, D4), tl.int32)
+            kseen = tl.zeros((G4, D), tl.int32)
+            vseen = tl.zeros((D4, G), tl.int32)
         # a fixed trip count: slots past the sequence's last page read page 0 and weigh nothing
         for i in range(PPP):
             live = first + i < n_vp
             kpage = tl.sum(tl.where(slots == i, kpages, 0))
             vpage = tl.sum(tl.where(slots == i, vpages, 0))
             if ABLATE == 2:  # diagnostic: the same planes, plain loads
-                kraw = tl.load(KD + kpage * sKDp + h * sKDh + d[:, None] * sKDd + tl.arange(0, G4)[None, :] * sKDg)
-                vraw = tl.load(VL + vpage * sVLp + h * sVLh + tl.arange(0, G)[:, None] * sVLt
-                               + tl.arange(0, D4)[None, :] * sVLc)
+                kraw = tl.load(KD + kpage * sKDp + h * sKDh + tl.arange(0, G4)[:, None] * sKDg + d[None, :] * sKDd)
+                vraw = tl.load(VL + vpage * sVLp + h * sVLh + tl.arange(0, D4)[:, None] * sVLc
+                               + tl.arange(0, G)[None, :] * sVLt)
                 kseen += kraw.to(tl.int32)  # element-wise: no reduction per page
                 vseen += vraw.to(tl.int32)
             else:
-                s0, s1, s2, s3 = _page_scores(q, QG, qkeep, scaling, KD, KH, KC, KSC, KZ, kpage * sKDp + h * sKDh,
-                                              kpage * sKHp + h * sKHh, kpage * sKSp + h * sKSh,
-                                              kpage * sKCp + h * sKCh, sKDd, sKDg, sKHr, sKHg,
-                                              D, G, NB, NB_P, BIAS)
-                m_i, lt, alpha, p0, p1, p2, p3 = _online_update4(m_i, lt, live, s0, s1, s2, s3)
+                s0, s1, s2, s3 = _page_scores_t(qt, QGT, keept, scaling, KD, KH, KC, KSC, KZ,
+                                                kpage * sKDp + h * sKDh, kpage * sKHp + h * sKHh,
+                                                kpage * sKSp + h * sKSh, kpage * sKCp + h * sKCh,
+                                                sKDd, sKDg, sKHr, sKHg, D, G, NB, NB_P, BIAS)
+                m_i, lt, alpha, p0, p1, p2, p3 = _online_update4_t(m_i, lt, live, s0, s1, s2, s3)
                 a0 = a0 * alpha
                 a1 = a1 * alpha
                 a2 = a2 * alpha
@@ -541,18 +513,18 @@ def _decode_pages_kernel(
                 if ABLATE == 0:
                     vbase = vpage * sVLp + h * sVLh
                     sbase = vpage * sVSp + h * sVSh
-                    a0, a1, a2, a3, shift = _page_values_part(p0, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                              sbase, sVLt, sVLc, 0, D, G, V4, BIAS)
-                    a0, a1, a2, a3, shift = _page_values_part(p1, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                              sbase, sVLt, sVLc, 1, D, G, V4, BIAS)
-                    a0, a1, a2, a3, shift = _page_values_part(p2, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                              sbase, sVLt, sVLc, 2, D, G, V4, BIAS)
-                    a0, a1, a2, a3, shift = _page_values_part(p3, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                              sbase, sVLt, sVLc, 3, D, G, V4, BIAS)
-        l_i += tl.sum(lt, 1)
+                    a0, a1, a2, a3, shift = _page_values_part_t(p0, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
+                                                                sbase, sVLt, sVLc, 0, D, G, V4, BIAS)
+                    a0, a1, a2, a3, shift = _page_values_part_t(p1, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
+                                                                sbase, sVLt, sVLc, 1, D, G, V4, BIAS)
+                    a0, a1, a2, a3, shift = _page_values_part_t(p2, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
+                                                                sbase, sVLt, sVLc, 2, D, G, V4, BIAS)
+                    a0, a1, a2, a3, shift = _page_values_part_t(p3, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
+                                                                sbase, sVLt, sVLc, 3, D, G, V4, BIAS)
+        l_i += tl.sum(lt, 0)
         if ABLATE == 2:
             l_i += (tl.sum(tl.sum(kseen, 1), 0) + tl.sum(tl.sum(vseen, 1), 0)).to(tl.float32)
-        acc = _cat4(a0, a1, a2, a3) + tl.sum(shift, 1)[:, None]
+        acc = _cat4(tl.trans(a0), tl.trans(a1), tl.trans(a2), tl.trans(a3)) + tl.sum(shift, 0)[:, None]
     _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, NT + 1 + chunk, m_i, l_i, acc, REP, REP_P, D)
 
 
@@ -629,8 +601,8 @@ def _constants(layer, query):
 
 def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                     state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
-                    num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
-                    max_registers: int | None = 128, cuda: bool | None = None, transposed: bool = True):
+                    num_stages: int = 3, unpack: str | None = None, ablate: int = 0,
+                    max_registers: int | None = 128, cuda: bool | None = None):
     """The fused step as kernel launches: ([(kernel, grid, args, options), ...], output tensor).
     `cuda` (default: where the query is) picks the CUDA code paths; `kernels.compile` builds the
     launches for a CUDA target on a machine without a GPU."""
@@ -657,7 +629,7 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
     consts = dict(**_constants(layer, query), PPP=ppp, NT=nt, BIAS=_bias(unpack, cuda), ABLATE=ablate)
     # two launches: the FP16 sink and tail would otherwise size every page program's registers and
     # shared memory, and so how many of them an SM holds
-    pages = dict(consts, num_warps=num_warps, num_stages=num_stages, TRANS=int(transposed and not ablate))
+    pages = dict(consts, num_warps=num_warps, num_stages=num_stages)
     if max_registers and cuda:
         pages["maxnreg"] = max_registers
     out = torch.empty((b, hq, 1, d), device=q.device, dtype=query.dtype)
@@ -672,19 +644,18 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
 
 def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                      state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
-                     num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
-                     max_registers: int | None = 128, transposed: bool = True) -> torch.Tensor:
+                     num_stages: int = 3, unpack: str | None = None, ablate: int = 0,
+                     max_registers: int | None = 128) -> torch.Tensor:
     """Attention of one new query token per sequence over a Kitty layer's state, fused.
 
     query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16).
     `state` is `layer.kernel_state()` (built here if not given); `workspace` keeps the partials.
-    Launch settings (page kernel): two warps per program, at most 128 registers a thread, up to 16
-    pages per program. A program's query tile is a tensor-core operand every warp holds whole, so
-    fewer warps issue fewer instructions per page; on an H200 (`python -m kitty_core.bench kernels
-    --sweep`) this was the fastest of 2/4 warps, capped or not, 8/16 pages, at 64x8K and 8x32K.
-"""
+    Launch settings (page kernel): two warps per program, at most 128 registers a thread, three
+    pipeline stages, up to 16 pages per program: the fastest of 2/4 warps, 2/3 stages, capped or
+    not, 16/32 pages at 64x8K and 8x32K on an H200 (`python -m kitty_core.bench kernels --sweep`).
+    """
     launches, out = decode_launches(layer, query, scaling, workspace, state, pages_per_program, num_warps,
-                                    num_stages, unpack, ablate, max_registers, transposed=transposed)
+                                    num_stages, unpack, ablate, max_registers)
     for kernel, grid, args, options in launches:
         kernel[grid](*args, **options)
     return out

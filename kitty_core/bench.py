@@ -128,17 +128,15 @@ def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=
     layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
     q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
     state, rows = layer.kernel_state(), []
-    for transposed in (True, False):
-        for ppp in (16, 32):
-            for warps in (2,):
-                for stages in (2, 3):
-                    for regs in (None, 128):
-                        ws = {}
-                        ms = cuda_time(graphed(lambda: decode_attention(
-                            layer, q, 0.088, ws, state, ppp, warps, stages, max_registers=regs,
-                            transposed=transposed)), iters=10)
-                        rows.append({"batch": batch, "length": length, "transposed": transposed, "ppp": ppp,
-                                     "warps": warps, "stages": stages, "max_registers": regs or "-", "ms": ms})
+    for ppp in (16, 32):
+        for warps in (2, 4):
+            for stages in (2, 3):
+                for regs in (None, 128):
+                    ws = {}
+                    ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state, ppp, warps, stages,
+                                                                    max_registers=regs)), iters=10)
+                    rows.append({"batch": batch, "length": length, "ppp": ppp, "warps": warps, "stages": stages,
+                                 "max_registers": regs or "-", "ms": ms})
     return pd.DataFrame(rows).sort_values("ms")
 
 

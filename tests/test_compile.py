@@ -1,5 +1,6 @@
 """The decode kernels compiled for an H100/H200 (sm_90) by Triton's own ptxas, without a GPU: the
-page kernel must not spill, and unpacking codes in PTX must cost less integer work than unpacking
+page kernel's loop must not spill (the 128-register cap it runs with spills a few registers around
+it, which measured faster than no cap), and unpacking codes in PTX must cost less integer work than unpacking
 them element by element. Run in a subprocess: the test session runs kernels in the interpreter."""
 
 import json
@@ -15,7 +16,7 @@ SCRIPT = (
 )
 
 
-def test_page_kernel_compiles_for_sm90_without_spills():
+def test_page_kernel_compiles_for_sm90_without_spills_in_its_loop():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
@@ -23,7 +24,7 @@ def test_page_kernel_compiles_for_sm90_without_spills():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {(r["kernel"], r["unpack"]): r for r in json.loads(out.stdout.strip().splitlines()[-1])}
     pages = rows[("_decode_pages_kernel", "ptx")]
-    assert pages["spill_ops"] == 0 and pages["registers"] <= 255
+    assert pages["loop_spill_ops"] == 0 and pages["spill_ops"] <= 64 and pages["registers"] <= 128
     assert rows[("_decode_tail_kernel", "ptx")]["spill_ops"] == 0
     assert pages["loop_instructions"] > 0  # the page loop was found
     bits = rows[("_decode_pages_kernel", "bits")]
