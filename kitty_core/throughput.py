@@ -272,7 +272,6 @@ def max_batch(model, kind: str, length: int, **kwargs) -> dict:
             return {"max_batch": lo, "first_fail": hi, "probes": probes}
 
 
-@torch.inference_mode()
 def timed_lengths(kind: str, prompt: int, generate: int, points: int) -> list[int]:
     """Cache lengths at which `measure` times decode steps: evenly spread from the prompt to its end.
     For a Kitty preset each one moves (by less than a page) to the middle of a page, so that the few
@@ -292,6 +291,7 @@ def timed_lengths(kind: str, prompt: int, generate: int, points: int) -> list[in
 PREFILL_CHUNKS = (512, 128, 32)  # prompt tokens per prefill forward, tried in this order
 
 
+@torch.inference_mode()
 def measure(model, kind: str, batch: int, prompt: int, generate: int, points: int = 4, steps: int = 3,
             prefill_chunk: int = PREFILL_CHUNKS[0]) -> dict:
     """Prefill time (real forward on random ids), decode step time at `points` cache lengths from

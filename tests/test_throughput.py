@@ -71,3 +71,17 @@ def test_sweep_prefills_in_smaller_chunks_before_it_backs_the_batch_off(monkeypa
     points = [row for what, row in throughput.sweep(None, ["kitty"], 512, 64) if what == "point"]
     assert calls == [(100, 512), (100, 128), (100, 32), (90, 32)]
     assert points == [{"cache": "kitty", "batch": 90, "prefill_chunk": 32, "at": "max batch", "max_batch": 100}]
+
+
+def test_measure_runs_the_model_without_autograd(monkeypatch):
+    """A prefill that records activations for backward would need ~36x the memory at max batch."""
+    import torch
+
+    from conftest import tiny_model
+    from kitty_core.throughput import measure
+
+    model, grad = tiny_model("llama"), []
+    call = type(model).__call__
+    monkeypatch.setattr(type(model), "__call__", lambda self, *a, **k: grad.append(torch.is_grad_enabled()) or call(self, *a, **k))
+    row = measure(model, "fp16-prealloc", 2, 16, 16, points=2)
+    assert row["prefill_chunk"] == 512 and len(grad) >= 5 and not any(grad)
