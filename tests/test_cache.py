@@ -266,3 +266,22 @@ def test_padded_decode_steps_equal_sequence_by_sequence(spec):
     for i in range(b):
         for x, y in zip(fast.sequence_history(i, torch.float32), slow.sequence_history(i, torch.float32)):
             assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("spec", ["kitty-pro+sink=4+group_size=16+local_window=16", "kivi-k2v2+group_size=16", "fp16"])
+def test_dense_view_of_an_unpadded_batch_is_built_in_blocks_as_each_sequence_reads(spec):
+    """Without pads the dense view is rebuilt for blocks of sequences at once (one page gather and
+    dequantization per block): it must equal each sequence's own history, chunk after chunk, also
+    after the view was dropped (as the Triton engine does after a prefill chunk)."""
+    torch.manual_seed(0)
+    layer = _layer(spec, batch=5)
+    for i, n in enumerate((37, 1, 20, 64, 3)):
+        x = torch.randn(5, 2, n, 16)
+        layer.insert(x, x * 0.5)
+        keys, values = layer.dense_history(torch.float32)
+        assert keys.shape == (5, 2, layer.seen, 16)
+        for b in range(5):
+            k, v = layer.sequence_history(b, torch.float32)
+            assert torch.equal(keys[b], k) and torch.equal(values[b], v)
+        if i == 2:
+            layer.drop_dense_view()
