@@ -226,6 +226,8 @@ def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
             "peak_GiB": float(at_max["peak_bytes"].iloc[0]) / 2**30 if len(at_max) and at_max["peak_bytes"].notna().all() else None,
             "kv_bytes_per_token": float(at_max["kv_bytes_per_token"].iloc[0]) if len(at_max) else None,
             "tokens_per_s_max_batch": float(at_max["tokens_per_s"].iloc[0]) if len(at_max) else None,
+            # the batch that throughput was measured at: below the max batch if the prefill needed room
+            "measured_at_batch": int(at_max["batch"].iloc[0]) if len(at_max) else None,
             "equal_batch": int(at_eq["batch"].iloc[0]) if len(at_eq) else (int(at_max["batch"].iloc[0]) if len(at_max) else None),
             "tokens_per_s_equal_batch": float(at_eq["tokens_per_s"].iloc[0]) if len(at_eq) else (
                 float(at_max["tokens_per_s"].iloc[0]) if len(at_max) else None),

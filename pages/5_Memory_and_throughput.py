@@ -49,6 +49,8 @@ if saved:
     st.caption(f"{s['model']} on {s['gpu'] or s['device']} ({s['dtype']}, torch {s['torch']}, transformers "
                f"{s['transformers']}), prompt {s['prompt']} + {s['generate']} generated tokens"
                + (f", cache budget {s['budget_gib']} GiB" if s.get("budget_gib") else ", until out of memory"))
+    for part in s.get("runs", []):  # a file merged from several commands says which measured what
+        st.caption(f"`{part['command']}`: {', '.join(part['caches'])}" + (f" ({part['note']})" if part.get("note") else ""))
     charts(pd.DataFrame(run["points"]), "saved")
     for skip in run.get("skipped", []):
         st.caption(f"{skip['cache']}: not measured ({skip['reason']})")
