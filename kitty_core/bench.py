@@ -236,7 +236,7 @@ def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
     if table.empty:
         return table
     t = table.set_index("cache")
-    for ref in ("dynamic", "static", "fp16-prealloc"):
+    for ref in ("dynamic", "static", "static-compiled", "fp16-prealloc"):
         if ref in t.index:
             t[f"batch_vs_{ref}"] = t["max_batch"] / t.loc[ref, "max_batch"]
             t[f"tput_vs_{ref}"] = t["tokens_per_s_max_batch"] / t.loc[ref, "tokens_per_s_max_batch"]
@@ -350,7 +350,7 @@ def main(argv=None) -> int:
     e.add_argument("--model", default="random:qwen3-8b", help="demo | hub id | path | random:qwen3-8b ...")
     e.add_argument("--device", default=None)
     e.add_argument("--dtype", default=None)
-    e.add_argument("--caches", default="dynamic,static,quantized,fp16-prealloc,kivi-k2v2,kitty,kitty-pro")
+    e.add_argument("--caches", default="dynamic,static,static-compiled,quantized,fp16-prealloc,kivi-k2v2,kitty,kitty-pro")
     e.add_argument("--prompt", type=int, default=512)
     e.add_argument("--generate", type=int, default=8192)
     e.add_argument("--equal-batch", type=int, default=64, help="also measure every cache at this batch")

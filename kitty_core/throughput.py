@@ -8,7 +8,9 @@ runs one real generation to check that estimate. The largest batch is found by d
 memory budget is exceeded), then bisecting to within 10%. Caches:
 
     dynamic         transformers DynamicCache (FP16/bf16, grows by concatenation)
-    static          transformers StaticCache (preallocated to the full length)
+    static          transformers StaticCache (preallocated to the full length), eager
+    static-compiled the same, decoded through transformers' compiled forward as `generate` does
+                    for a StaticCache (torch.compile, mode reduce-overhead: CUDA graphs on a GPU)
     quantized       transformers QuantizedCache, 2-bit quanto backend (when optimum-quanto is installed)
     fp16-prealloc   this library's FP16 baseline: preallocated per layer, SDPA on the filled prefix
                     only (no mask over empty slots), the decode loop of the Kitty caches; SDPA
@@ -30,13 +32,14 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import CompileConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, QuantizedCache, StaticCache
 
 from .cache import KittyCache, KittyLayer
 from .config import parse_method
 from .hf import num_attention_layers
 
-BASELINES = ("dynamic", "static", "quantized", "fp16-prealloc")
+BASELINES = ("dynamic", "static", "static-compiled", "quantized", "fp16-prealloc")
 
 
 class CacheUnavailable(RuntimeError):
@@ -86,6 +89,26 @@ class PreallocatedLayer(CacheLayerMixin):
         return self.max_length
 
 
+class CompiledStaticCache(StaticCache):
+    """transformers' StaticCache, decoded as `generate` decodes one: a step of one token per sequence
+    runs the model's compiled forward (`get_compiled_call`; by default torch.compile with mode
+    reduce-overhead, CUDA graphs on a GPU), a prefill chunk runs eagerly. The first step at a new
+    batch size compiles; the cache's position is a device tensor, so steps do not recompile."""
+
+    def __init__(self, model, max_cache_len: int, compile_config: CompileConfig | None = None):
+        super().__init__(config=model.config, max_cache_len=max_cache_len)
+        self.decode_call = model.get_compiled_call(compile_config)
+
+
+def release_compiled(model) -> None:
+    """Drop the compiled forward and what torch.compile keeps for it (CUDA graphs hold memory pools
+    of their own), so that the caches measured next have the GPU to themselves."""
+    if hasattr(model, "_compiled_call"):
+        del model._compiled_call
+    torch.compiler.reset()
+    _free()
+
+
 def make_cache(kind: str, model, max_length: int) -> Cache:
     """A fresh, empty cache of one of the kinds above for `model`, sized for `max_length` tokens."""
     config = model.config
@@ -93,6 +116,8 @@ def make_cache(kind: str, model, max_length: int) -> Cache:
         return DynamicCache(config=config)
     if kind == "static":
         return StaticCache(config=config, max_cache_len=max_length)
+    if kind == "static-compiled":
+        return CompiledStaticCache(model, max_length)
     if kind == "quantized":
         try:
             return QuantizedCache(backend="quanto", config=config, nbits=2)
@@ -136,10 +161,11 @@ def fill(cache: Cache, model, batch: int, tokens: int, chunk: int | None = None)
 
 def forward(model, cache: Cache, ids: torch.Tensor):
     """The model on token ids with this cache (last logits only), on the SDPA backends the cache's
-    layers ask for (`SDPA_BACKENDS`), if any."""
+    layers ask for (`SDPA_BACKENDS`), if any; decode steps of a `CompiledStaticCache` compiled."""
     backends = getattr(cache.layers[0], "SDPA_BACKENDS", None) if getattr(cache, "layers", None) else None
+    call = cache.decode_call if isinstance(cache, CompiledStaticCache) and ids.shape[1] == 1 else model
     with sdpa_kernel(backends) if backends else nullcontext():
-        return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return call(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
 
 @torch.inference_mode()
@@ -440,4 +466,6 @@ def sweep(model, caches, prompt: int, generate: int, equal_batch: int | None = N
             row["at"] = "max batch" if b == best else "equal batch"
             row["max_batch"] = best
             yield "point", row
+        if kind == "static-compiled":
+            release_compiled(model)
 
