@@ -244,6 +244,29 @@ def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
     return t.reset_index()
 
 
+SETUP = ("model", "shape", "gpu", "dtype", "torch", "transformers", "prompt", "generate", "budget_gib", "points")
+
+
+def same_setup(a: dict, b: dict) -> bool:
+    """Two e2e runs measured the same thing (model, GPU, versions, lengths, budget, points)."""
+    return all(a.get(k) == b.get(k) for k in SETUP)
+
+
+def merge_runs(earlier: dict, run: dict, command: str) -> dict:
+    """An e2e result file with `run` added to `earlier`: the caches `run` measured replace their rows
+    in `earlier`, the others stay; settings list the commands and what each measured."""
+    mine = set(run["settings"]["caches"])
+    keep = lambda rows: [r for r in rows if r["cache"] not in mine]  # noqa: E731
+    settings = dict(run["settings"])
+    before = earlier["settings"].get("runs") or [{"command": None, "caches": earlier["settings"]["caches"]}]
+    runs = [dict(r, caches=[c for c in r["caches"] if c not in mine]) for r in before]
+    settings["runs"] = [r for r in runs if r["caches"]] + [{"command": command, "caches": sorted(mine, key=run["settings"]["caches"].index)}]
+    settings["caches"] = [c for r in settings["runs"] for c in r["caches"]]
+    return {"settings": settings, "points": keep(earlier["points"]) + run["points"],
+            "probes": keep(earlier["probes"]) + run["probes"], "skipped": keep(earlier["skipped"]) + run["skipped"],
+            "validation": keep(earlier.get("validation", [])) + run["validation"]}
+
+
 def _caches(spec: str) -> list[str]:
     """Cache kinds from a comma list; ValueError naming the choices for one that is neither a
     baseline nor a method."""
@@ -300,12 +323,22 @@ def run_e2e(a) -> int:
                 "transformers": transformers.__version__, "prompt": a.prompt, "generate": a.generate,
                 "budget_gib": a.budget_gib, "points": a.points, "caches": caches}
 
+    command = "python -m kitty_core.bench " + " ".join(a.argv)
+    settings["runs"] = [{"command": command, "caches": caches}]
+    earlier = None
+    if a.merge and a.out and a.out.exists():
+        earlier = json.loads(a.out.read_text())
+        if not same_setup(earlier["settings"], settings):
+            print(f"error: {a.out} holds a run of another model or settings; --merge needs the same", file=sys.stderr)
+            return 2
+
     def save():  # after every row, so that an interrupted run keeps what it measured
         if a.out:
+            run = {"settings": settings, "points": points, "probes": probes, "skipped": skipped, "validation": checks}
+            run = merge_runs(earlier, run, command) if earlier else run
+            run["summary"] = e2e_table(pd.DataFrame(run["points"])).to_dict(orient="records")
             a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(json.dumps({"settings": settings, "summary": e2e_table(pd.DataFrame(points)).to_dict(
-                orient="records"), "points": points, "probes": probes, "skipped": skipped, "validation": checks},
-                indent=1, default=float))
+            a.out.write_text(json.dumps(run, indent=1, default=float))
 
     for what, row in sweep(lm.model, caches, a.prompt, a.generate, a.equal_batch, budget, a.points, a.start):
         {"probe": probes, "point": points, "skip": skipped}[what].append(row)
@@ -359,6 +392,8 @@ def main(argv=None) -> int:
     e.add_argument("--start", type=int, default=8, help="first batch size of the doubling")
     e.add_argument("--validate", default="", help="CACHE:BATCH:TOKENS,... real generations to check the estimate")
     e.add_argument("--out", type=Path, default=None, help="JSON file")
+    e.add_argument("--merge", action="store_true", help="add to --out: this run's caches replace theirs there, "
+                   "the others stay (same model and settings), and the file lists both commands")
     f = sub.add_parser("profile", help="the CUDA kernels of one decode step per cache, by GPU time")
     f.add_argument("--model", default="random:qwen3-8b")
     f.add_argument("--device", default=None)
@@ -371,6 +406,7 @@ def main(argv=None) -> int:
     w.add_argument("--visits", type=int, default=2)
     w.add_argument("--log", type=Path, default=Path("/tmp/kitty-app-timing.log"), help="the server's output")
     a = p.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
     if a.what == "e2e":
         return run_e2e(a)
     if a.what == "profile":

@@ -122,3 +122,55 @@ def test_compiled_static_cache_decodes_through_the_compiled_call():
     assert int(ours.get_seq_length()) == 12
     release_compiled(model)  # what the sweep does after this cache
     assert not hasattr(model, "_compiled_call")
+
+
+def _run_file(caches, points, command=None):
+    settings = {"model": "random:qwen3-8b", "prompt": 512, "generate": 8192, "points": 3, "caches": caches}
+    if command:
+        settings["runs"] = [{"command": command, "caches": caches}]
+    rows = [{"cache": c, "batch": b} for c, b in points]
+    return {"settings": settings, "points": rows, "probes": list(rows), "skipped": [], "validation": []}
+
+
+def test_merged_runs_replace_the_caches_measured_again_and_name_both_commands():
+    from kitty_core.bench import merge_runs, same_setup
+
+    first = _run_file(["dynamic", "kitty", "kitty-pro"], [("dynamic", 96), ("kitty", 576), ("kitty-pro", 64)], "cmd 1")
+    second = _run_file(["kitty-pro"], [("kitty-pro", 544)])
+    assert same_setup(first["settings"], second["settings"])
+    merged = merge_runs(first, second, "cmd 2")
+    assert [(r["cache"], r["batch"]) for r in merged["points"]] == [("dynamic", 96), ("kitty", 576), ("kitty-pro", 544)]
+    assert merged["settings"]["runs"] == [{"command": "cmd 1", "caches": ["dynamic", "kitty"]},
+                                          {"command": "cmd 2", "caches": ["kitty-pro"]}]
+    assert merged["settings"]["caches"] == ["dynamic", "kitty", "kitty-pro"]
+    assert not same_setup(first["settings"], dict(second["settings"], generate=4096))
+
+
+def test_e2e_refuses_to_merge_into_a_run_of_other_settings(tmp_path, capsys):
+    import json
+
+    from kitty_core.bench import main
+
+    out = tmp_path / "run.json"
+    out.write_text(json.dumps(_run_file(["dynamic"], [("dynamic", 96)], "cmd 1")))
+    assert main(["e2e", "--model", "demo", "--device", "cpu", "--caches", "fp16-prealloc", "--out", str(out),
+                 "--merge"]) == 2
+    assert "--merge needs the same" in capsys.readouterr().err
+    assert json.loads(out.read_text())["points"] == [{"cache": "dynamic", "batch": 96}]  # left as it was
+
+
+def test_e2e_merges_a_second_command_into_the_same_file(tmp_path):
+    """Two real (tiny, CPU) e2e commands into one file: both caches' rows, both commands named."""
+    import json
+
+    from kitty_core.bench import main
+
+    out = tmp_path / "run.json"
+    common = ["--model", "demo", "--device", "cpu", "--prompt", "8", "--generate", "8", "--budget-gib", "0.001",
+              "--equal-batch", "1", "--points", "2", "--start", "1", "--out", str(out)]
+    assert main(["e2e", "--caches", "fp16-prealloc", *common]) == 0
+    assert main(["e2e", "--caches", "kivi-k2v2", *common, "--merge"]) == 0
+    run = json.loads(out.read_text())
+    assert [r["caches"] for r in run["settings"]["runs"]] == [["fp16-prealloc"], ["kivi-k2v2"]]
+    assert "--merge" in run["settings"]["runs"][1]["command"]
+    assert {r["cache"] for r in run["summary"]} == {"fp16-prealloc", "kivi-k2v2"}
