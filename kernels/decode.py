@@ -562,6 +562,11 @@ def _check(layer, query, cuda: bool):
         raise ValueError(f"at most 64 query heads per KV head, got {rep}")
 
 
+# page kernel register cap by query-tile rows (REP_P): 128 at 4 rows ran fastest on an H200
+# (`bench kernels --sweep`); 160 is the least that keeps the page loop of 8 rows free of spills on
+# sm_90, and 16 rows need every register (`python -m kernels.compile --q-heads 64` / `128`)
+REGISTER_CAP = {4: 128, 8: 160}
+
 UNPACK = {"convert": 0, "bits": 1, "ptx": 2}  # how codes become fp16 operands (the kernels' BIAS)
 
 
@@ -602,7 +607,7 @@ def _constants(layer, query):
 def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                     state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
                     num_stages: int = 3, unpack: str | None = None, ablate: int = 0,
-                    max_registers: int | None = 128, cuda: bool | None = None):
+                    max_registers: int | str | None = "auto", cuda: bool | None = None):
     """The fused step as kernel launches: ([(kernel, grid, args, options), ...], output tensor).
     `cuda` (default: where the query is) picks the CUDA code paths; `kernels.compile` builds the
     launches for a CUDA target on a machine without a GPU."""
@@ -630,6 +635,8 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
     # two launches: the FP16 sink and tail would otherwise size every page program's registers and
     # shared memory, and so how many of them an SM holds
     pages = dict(consts, num_warps=num_warps, num_stages=num_stages)
+    if max_registers == "auto":
+        max_registers = REGISTER_CAP.get(consts["REP_P"])
     if max_registers and cuda:
         pages["maxnreg"] = max_registers
     out = torch.empty((b, hq, 1, d), device=q.device, dtype=query.dtype)
@@ -645,14 +652,15 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
 def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                      state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
                      num_stages: int = 3, unpack: str | None = None, ablate: int = 0,
-                     max_registers: int | None = 128) -> torch.Tensor:
+                     max_registers: int | str | None = "auto") -> torch.Tensor:
     """Attention of one new query token per sequence over a Kitty layer's state, fused.
 
     query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16).
     `state` is `layer.kernel_state()` (built here if not given); `workspace` keeps the partials.
-    Launch settings (page kernel): two warps per program, at most 128 registers a thread, three
-    pipeline stages, up to 16 pages per program: the fastest of 2/4 warps, 2/3 stages, capped or
-    not, 16/32 pages at 64x8K and 8x32K on an H200 (`python -m kitty_core.bench kernels --sweep`).
+    Launch settings (page kernel): two warps per program, at most 128 registers a thread (for GQA
+    groups of up to 4 heads; `REGISTER_CAP`), three pipeline stages, up to 16 pages per program: the
+    fastest of 2/4 warps, 2/3 stages, capped or not, 16/32 pages at 64x8K and 8x32K on an H200
+    (`python -m kitty_core.bench kernels --sweep`). `max_registers`: "auto", a number, or None.
     """
     launches, out = decode_launches(layer, query, scaling, workspace, state, pages_per_program, num_warps,
                                     num_stages, unpack, ablate, max_registers)

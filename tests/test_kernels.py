@@ -50,6 +50,18 @@ def test_fused_decode_matches_reference(spec):
         torch.testing.assert_close(out, ref, atol=5e-3, rtol=1e-2)  # fp16 operands in the dots
 
 
+@pytest.mark.parametrize("rep", [1, 3, 4, 8])
+def test_fused_decode_for_every_gqa_group_size(rep):
+    """Query heads per KV head: MHA (1, padded to 4 rows), the demo model's 3, Qwen3/Llama 3's 4, and 8."""
+    from kernels.decode import decode_attention, decode_attention_reference
+
+    layer = _layer("kitty-pro" + SMALL, [SINK + 3 * GROUP + 5, SINK + GROUP + 1], seed=rep)
+    q = torch.randn(2, 2 * rep, 1, DIM, device=DEVICE)
+    ref = decode_attention_reference(layer, q, 0.25)
+    for ppp in (1, 2):
+        torch.testing.assert_close(decode_attention(layer, q, 0.25, pages_per_program=ppp), ref, atol=5e-3, rtol=1e-2)
+
+
 def test_boost_rates_0_to_100_percent():
     from kernels.decode import decode_attention, decode_attention_reference, decode_attention_unfused
 
