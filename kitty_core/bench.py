@@ -260,7 +260,7 @@ def merge_runs(earlier: dict, run: dict, command: str) -> dict:
     settings = dict(run["settings"])
     before = earlier["settings"].get("runs") or [{"command": None, "caches": earlier["settings"]["caches"]}]
     runs = [dict(r, caches=[c for c in r["caches"] if c not in mine]) for r in before]
-    settings["runs"] = [r for r in runs if r["caches"]] + [{"command": command, "caches": sorted(mine, key=run["settings"]["caches"].index)}]
+    settings["runs"] = [r for r in runs if r["caches"]] + [{"command": command, "caches": run["settings"]["caches"]}]
     settings["caches"] = [c for r in settings["runs"] for c in r["caches"]]
     return {"settings": settings, "points": keep(earlier["points"]) + run["points"],
             "probes": keep(earlier["probes"]) + run["probes"], "skipped": keep(earlier["skipped"]) + run["skipped"],
@@ -383,7 +383,8 @@ def main(argv=None) -> int:
     e.add_argument("--model", default="random:qwen3-8b", help="demo | hub id | path | random:qwen3-8b ...")
     e.add_argument("--device", default=None)
     e.add_argument("--dtype", default=None)
-    e.add_argument("--caches", default="dynamic,static,static-compiled,quantized,fp16-prealloc,kivi-k2v2,kitty,kitty-pro")
+    e.add_argument("--caches",
+                   default="dynamic,static,static-compiled,quantized,fp16-prealloc,kivi-k2v2,kitty,kitty-pro")
     e.add_argument("--prompt", type=int, default=512)
     e.add_argument("--generate", type=int, default=8192)
     e.add_argument("--equal-batch", type=int, default=64, help="also measure every cache at this batch")

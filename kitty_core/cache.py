@@ -565,7 +565,8 @@ class KittyLayer(CacheLayerMixin):
                     pages = dequant(pool.kind(**{k: v.index_select(0, ids) for k, v in pool.store.items()}), dtype)
                     _, h, _, d = pages.shape  # [block x pages, H, G, D], sequence-major
                     per = n_pages - first
-                    parts.append((n_sink + first * g, pages.reshape(-1, per, h, g, d).transpose(1, 2).reshape(-1, h, per * g, d)))
+                    pages = pages.reshape(-1, per, h, g, d).transpose(1, 2).reshape(-1, h, per * g, d)
+                    parts.append((n_sink + first * g, pages))
                 parts.append((n_sink + n_pages * g, tail.buf[rows, :, : tail.lens[0]]))
         return _join_from(keys, start, dtype), _join_from(values, start, dtype)
 
