@@ -311,6 +311,9 @@ def run_e2e(a) -> int:
 
     from .throughput import sweep, validate
 
+    if a.merge and not a.out:
+        print("error: --merge adds to the file named by --out; give one", file=sys.stderr)
+        return 2
     setup = _setup(a)
     if setup is None:
         return 2

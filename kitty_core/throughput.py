@@ -163,9 +163,17 @@ def forward(model, cache: Cache, ids: torch.Tensor):
     """The model on token ids with this cache (last logits only), on the SDPA backends the cache's
     layers ask for (`SDPA_BACKENDS`), if any; decode steps of a `CompiledStaticCache` compiled."""
     backends = getattr(cache.layers[0], "SDPA_BACKENDS", None) if getattr(cache, "layers", None) else None
-    call = cache.decode_call if isinstance(cache, CompiledStaticCache) and ids.shape[1] == 1 else model
+    compiled = isinstance(cache, CompiledStaticCache) and ids.shape[1] == 1
     with sdpa_kernel(backends) if backends else nullcontext():
-        return call(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if not compiled:
+            return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        try:
+            return cache.decode_call(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        except Exception as err:  # torch.compile could not build it here: not a measurement, a missing part
+            if _is_oom(err):
+                raise
+            raise CacheUnavailable(f"transformers' compiled decode failed here ({type(err).__name__}: "
+                                   f"{str(err).splitlines()[0] if str(err) else ''})") from err
 
 
 @torch.inference_mode()

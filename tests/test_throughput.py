@@ -157,6 +157,8 @@ def test_e2e_refuses_to_merge_into_a_run_of_other_settings(tmp_path, capsys):
                  "--merge"]) == 2
     assert "--merge needs the same" in capsys.readouterr().err
     assert json.loads(out.read_text())["points"] == [{"cache": "dynamic", "batch": 96}]  # left as it was
+    assert main(["e2e", "--model", "demo", "--caches", "fp16-prealloc", "--merge"]) == 2
+    assert "--merge adds to the file named by --out" in capsys.readouterr().err
 
 
 def test_e2e_merges_a_second_command_into_the_same_file(tmp_path):
@@ -174,3 +176,25 @@ def test_e2e_merges_a_second_command_into_the_same_file(tmp_path):
     assert [r["caches"] for r in run["settings"]["runs"]] == [["fp16-prealloc"], ["kivi-k2v2"]]
     assert "--merge" in run["settings"]["runs"][1]["command"]
     assert {r["cache"] for r in run["summary"]} == {"fp16-prealloc", "kivi-k2v2"}
+
+
+def test_a_compiled_decode_that_cannot_be_built_is_skipped_not_fatal(monkeypatch):
+    """torch.compile failing on this machine (no compiler, an unsupported op) skips static-compiled
+    with the reason, and the sweep goes on to the next cache."""
+    from transformers import CompileConfig
+
+    from conftest import tiny_model
+    from kitty_core import throughput
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no C++ compiler for the backend")
+
+    init = throughput.CompiledStaticCache.__init__
+    monkeypatch.setattr(throughput.CompiledStaticCache, "__init__",
+                        lambda self, model, n: init(self, model, n, CompileConfig(backend=broken, mode=None)))
+    model = tiny_model("qwen3")
+    rows = list(throughput.sweep(model, ["static-compiled", "dynamic"], 8, 8, budget_bytes=1 << 16, points=2, limit=2))
+    skipped = [row for what, row in rows if what == "skip"]
+    assert len(skipped) == 1 and skipped[0]["cache"] == "static-compiled"
+    assert "compiled decode failed" in skipped[0]["reason"]
+    assert any(what == "point" and row["cache"] == "dynamic" for what, row in rows)
