@@ -79,6 +79,17 @@ def synthetic_layer(method: str, batch: int, length: int, kv_heads: int, head_di
     return layer
 
 
+def launch_defaults() -> dict:
+    """The fused kernel's launch settings a default call uses (recorded beside its timings)."""
+    import inspect
+
+    from kernels.decode import REGISTER_CAP, decode_attention
+
+    params = inspect.signature(decode_attention).parameters
+    return {"num_warps": params["num_warps"].default, "num_stages": params["num_stages"].default,
+            "register_cap_by_query_rows": REGISTER_CAP, "pages_per_program": "up to 16, by occupancy"}
+
+
 def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
     """Per shape and boost rate: the fused kernel, the unfused qk -> softmax -> sv path and SDPA on an
     FP16 cache of the same shape, timed in this process as CUDA-graph replays (GPU time; `*_eager_ms`:
@@ -439,6 +450,7 @@ def main(argv=None) -> int:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
         if a.out.suffix == ".json":
+            meta["launch"] = launch_defaults()
             a.out.write_text(json.dumps({"settings": meta, "results": df.to_dict(orient="records")}, indent=2))
         else:
             df.assign(**meta).to_csv(a.out, index=False)
