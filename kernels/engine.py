@@ -8,6 +8,8 @@ buffer that became full (at most once every G steps). Pages are packed by `kerne
 
 from __future__ import annotations
 
+import os
+
 from kitty_core.cache import ReferenceEngine
 
 from . import pack
@@ -16,18 +18,22 @@ from .decode import decode_attention
 
 class TritonEngine(ReferenceEngine):
     name = "triton"
+    device_steps = True  # decode steps can run from device counters (kitty_core.graphs)
 
     def __init__(self):
         self.workspaces: dict[int, dict] = {}
 
     @staticmethod
     def supports(layer, query) -> bool:
-        """The kernels take power-of-two page and head sizes of at least 64 (code planes 16 wide for
-        the tensor cores) and up to 64 query heads per KV head; anything else attends through the
+        """The kernels take power-of-two page and head sizes of at least 64 on a GPU (code planes 16 wide
+        for the tensor cores) and up to 64 query heads per KV head; anything else attends through the
         reference path."""
         c, d = layer.config, layer.head_dim
-        pow2 = lambda x: x >= 64 and x & (x - 1) == 0  # noqa: E731
-        return c.quantize and pow2(c.group_size) and pow2(d) and query.shape[1] // layer.heads <= 64 and query.is_cuda
+        if not (query.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):  # the interpreter takes CPU tensors
+            return False
+        least = 64 if query.is_cuda else 4  # the interpreter has no tensor cores, and takes tiny test shapes
+        pow2 = lambda x: x >= least and x & (x - 1) == 0  # noqa: E731
+        return c.quantize and pow2(c.group_size) and pow2(d) and query.shape[1] // layer.heads <= 64
 
     def quantize_keys(self, keys, n_boost, rule, generator, query_rms=None):
         if keys.is_cuda and pack.supported(keys, rule):
@@ -47,8 +53,13 @@ class TritonEngine(ReferenceEngine):
                 # decode steps read the packed state, so the view is freed, not kept beside it
                 layer.drop_dense_view()
             return out
-        layer.insert(key_new, value_new, pack=False)
+        device_step = layer.steps is not None  # a step from device counters (graphs.py): the host packs later
+        if device_step:
+            layer.write_token(key_new, value_new)
+        else:
+            layer.insert(key_new, value_new, pack=False)
         ws = self.workspaces.setdefault(layer.layer_idx, {})
         out = decode_attention(layer, query, scaling if scaling is not None else query.shape[-1] ** -0.5, ws)
-        layer.pack_full()
+        if not device_step:
+            layer.pack_full()
         return out.transpose(1, 2), None  # transformers expects [B, t, Hq, D]

@@ -255,11 +255,12 @@ def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
     return t.reset_index()
 
 
-SETUP = ("model", "shape", "gpu", "dtype", "torch", "transformers", "prompt", "generate", "budget_gib", "points")
+SETUP = ("model", "shape", "gpu", "dtype", "torch", "transformers", "prompt", "generate", "budget_gib", "points",
+         "decode")
 
 
 def same_setup(a: dict, b: dict) -> bool:
-    """Two e2e runs measured the same thing (model, GPU, versions, lengths, budget, points)."""
+    """Two e2e runs measured the same thing (model, GPU, versions, lengths, budget, points, decoding)."""
     return all(a.get(k) == b.get(k) for k in SETUP)
 
 
@@ -335,7 +336,7 @@ def run_e2e(a) -> int:
                 "gpu": torch.cuda.get_device_name() if lm.device.type == "cuda" else platform.processor(),
                 "dtype": str(lm.dtype).removeprefix("torch."), "torch": torch.__version__,
                 "transformers": transformers.__version__, "prompt": a.prompt, "generate": a.generate,
-                "budget_gib": a.budget_gib, "points": a.points, "caches": caches}
+                "budget_gib": a.budget_gib, "points": a.points, "decode": a.decode, "caches": caches}
 
     command = "python -m kitty_core.bench " + " ".join(a.argv)
     settings["runs"] = [{"command": command, "caches": caches}]
@@ -354,7 +355,9 @@ def run_e2e(a) -> int:
             a.out.parent.mkdir(parents=True, exist_ok=True)
             a.out.write_text(json.dumps(run, indent=1, default=float))
 
-    for what, row in sweep(lm.model, caches, a.prompt, a.generate, a.equal_batch, budget, a.points, a.start):
+    graphs = a.decode == "graph"
+    for what, row in sweep(lm.model, caches, a.prompt, a.generate, a.equal_batch, budget, a.points, a.start,
+                           graphs=graphs):
         {"probe": probes, "point": points, "skip": skipped}[what].append(row)
         brief = {k: v for k, v in row.items() if not k.startswith("step_ms")}
         print(what, json.dumps(brief, default=float), flush=True)
@@ -362,7 +365,7 @@ def run_e2e(a) -> int:
     table = e2e_table(pd.DataFrame(points))
     print(table.to_string(index=False, float_format=lambda x: f"{x:.2f}"), flush=True)
     for cache, batch, gen in checks_asked:
-        checks.append(validate(lm.model, cache, batch, a.prompt, gen, a.points))
+        checks.append(validate(lm.model, cache, batch, a.prompt, gen, a.points, graphs=graphs))
         print("validate", json.dumps(checks[-1], default=float), flush=True)
         save()
     return 0
@@ -376,7 +379,7 @@ def run_profile(a) -> int:
         return 2
     caches, _, lm = setup
     for kind in caches:
-        total, wall, table = profile_step(lm.model, kind, a.batch, a.length)
+        total, wall, table = profile_step(lm.model, kind, a.batch, a.length, graphs=a.decode == "graph")
         where = "GPU kernels" if torch.cuda.is_available() else "CPU ops"
         print(f"{kind}: batch {a.batch}, {a.length} tokens: {total:.2f} ms of {where}, {wall:.2f} ms wall per decode step")
         print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"), flush=True)
@@ -406,6 +409,8 @@ def main(argv=None) -> int:
     e.add_argument("--points", type=int, default=4, help="cache lengths at which decode steps are timed")
     e.add_argument("--start", type=int, default=8, help="first batch size of the doubling")
     e.add_argument("--validate", default="", help="CACHE:BATCH:TOKENS,... real generations to check the estimate")
+    e.add_argument("--decode", choices=("graph", "eager"), default="graph",
+                   help="graph: this library's caches decode from CUDA graphs on a GPU (the others eagerly)")
     e.add_argument("--out", type=Path, default=None, help="JSON file")
     e.add_argument("--merge", action="store_true", help="add to --out: this run's caches replace theirs there, "
                    "the others stay (same model and settings), and the file lists both commands")
@@ -416,6 +421,7 @@ def main(argv=None) -> int:
     f.add_argument("--caches", default="fp16-prealloc,kitty-pro")
     f.add_argument("--batch", type=int, default=64)
     f.add_argument("--length", type=int, default=4096, help="tokens in the cache")
+    f.add_argument("--decode", choices=("graph", "eager"), default="graph")
     w = sub.add_parser("app", help="seconds to first and later renders of every lab page in chromium")
     w.add_argument("--chromium", default="/usr/bin/chromium")
     w.add_argument("--visits", type=int, default=2)

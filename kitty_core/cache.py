@@ -240,6 +240,7 @@ class KittyLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.max_length = max_length  # tokens per sequence to reserve page pools for (None: grow on demand)
         self.seen = 0  # tokens seen per sequence in the padded layout (pads included)
+        self.steps = None  # StepCounters while decode steps run from device counters (graphs.py)
         self.generator = torch.Generator().manual_seed(config.seed * 100_003 + layer_idx)
 
     # -- transformers CacheLayerMixin -------------------------------------------------------------
@@ -369,6 +370,34 @@ class KittyLayer(CacheLayerMixin):
             for b in values:
                 self.v_window.lens[b] = r
 
+    # -- decode steps from device counters (kitty_core.graphs) ------------------------------------
+    def capacity_slots(self) -> int:
+        """Page slots of a sequence of `max_length` tokens: the grid a device-driven step launches."""
+        return -(-max(self.max_length - self.config.sink, 1) // self.config.group_size)
+
+    def start_steps(self, counters) -> None:
+        self.steps = counters
+        self._tables = None  # rebuilt at the capacity's width, then refreshed in place
+
+    def write_token(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A device-driven step's token k, v [B, H, 1, D] into the key q-buffer and the value window,
+        at the counters' positions; the host's record follows in `advance_host`."""
+        w = self.steps.write
+        self.k_buffer.buf.index_copy_(2, w[0:1], k)
+        self.v_window.buf.index_copy_(2, w[1:2], v)
+
+    def advance_host(self) -> bool:
+        """The host's record of a token `write_token` stored; packs what became full. True if it packed."""
+        c = self.config
+        self.seen += 1
+        self.k_buffer.lens = [n + 1 for n in self.k_buffer.lens]
+        self.v_window.lens = [n + 1 for n in self.v_window.lens]
+        if self.k_buffer.lens[0] < c.group_size and self.v_window.lens[0] < c.local_window + c.group_size:
+            return False
+        self.pack_full()
+        self.page_tables()  # refreshed now, eagerly: a captured step only reads them
+        return True
+
     def _append_token_rows(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """One decode token per sequence, k, v [B, H, D], not packed: into the sink while it has room,
         else into the key q-buffer and the value window."""
@@ -397,6 +426,10 @@ class KittyLayer(CacheLayerMixin):
         """Accumulate squared queries [B, Hq, t, D] per KV head and channel, pads excluded."""
         b, hq, t, d = query.shape
         q2 = query.float().pow(2).reshape(b, self.heads, hq // self.heads, t, d)
+        if not any(self.pad):  # every query is real: no mask (nor its host-built tensor)
+            self.q_energy += q2.sum((2, 3))
+            self.q_count += t * (hq // self.heads)
+            return
         skip = torch.tensor([min(max(p - self.seen, 0), t) for p in self.pad], device=query.device)
         real = (torch.arange(t, device=query.device)[None] >= skip[:, None]).float()  # [B, t]
         self.q_energy += torch.einsum("bhrtd,bt->bhd", q2, real)
@@ -493,17 +526,18 @@ class KittyLayer(CacheLayerMixin):
         self._clean = [0] * self.batch
 
     def kernel_state(self) -> dict:
-        """What a decode kernel reads: FP16 regions, page pools, page tables and per-sequence counts."""
+        """What a decode kernel reads: FP16 regions, page pools, page tables and per-sequence counts.
+        During device-driven steps, the counts are the counters and the grid spans the capacity."""
         c, dev = self.config, self.device
-        slots = -(-max(self.seen - min(self.pad) - c.sink, 0) // c.group_size)
-        version = (self.k_pages.count, self.v_pages.count)
-        if self._tables is None or self._tables[0] != version:
-            self._tables = (version, self._page_tables())
-        tables = self._tables[1]
-        # lengths on the device from the pads kept there: no host list, no copy per step
-        if self._pads is None or self._pads[0] != self.pad:
-            self._pads = (list(self.pad), torch.tensor(self.pad, dtype=torch.int32, device=dev))
-        lens_t = self.seen - self._pads[1]
+        tables = self.page_tables()
+        if self.steps is not None:
+            slots, lens_t = self.capacity_slots(), self.steps.lens
+        else:
+            slots = -(-max(self.seen - min(self.pad) - c.sink, 0) // c.group_size)
+            # lengths on the device from the pads kept there: no host list, no copy per step
+            if self._pads is None or self._pads[0] != self.pad:
+                self._pads = (list(self.pad), torch.tensor(self.pad, dtype=torch.int32, device=dev))
+            lens_t = self.seen - self._pads[1]
         def store(pool, kind):
             if pool.store is not None:
                 return pool.store
@@ -517,11 +551,24 @@ class KittyLayer(CacheLayerMixin):
             "k_buffer": self.k_buffer.buf, "v_window": self.v_window.buf,
         }
 
-    def _page_tables(self) -> dict:
-        """Device page tables [B, slots] and page counts [B] of both pools (a slot beyond the pages of a
-        sequence holds 0; kernels never read it)."""
+    def page_tables(self) -> dict:
+        """The device page tables, rebuilt when pages were added. During device-driven steps they span
+        the capacity and are refreshed in place, since a captured step holds their addresses."""
+        version = (self.k_pages.count, self.v_pages.count)
+        if self._tables is None or self._tables[0] != version:
+            tables = self._page_tables(self.capacity_slots() if self.steps is not None else 1)
+            if self.steps is not None and self._tables is not None:
+                for name, t in tables.items():
+                    self._tables[1][name].copy_(t)
+                tables = self._tables[1]
+            self._tables = (version, tables)
+        return self._tables[1]
+
+    def _page_tables(self, width: int) -> dict:
+        """Device page tables [B, slots] (at least `width` slots) and page counts [B] of both pools (a
+        slot beyond the pages of a sequence holds 0; kernels never read it)."""
         dev = self.device
-        slots = max(1, max(len(t) for t in self.k_pages.table))
+        slots = max(width, max(len(t) for t in self.k_pages.table))
         def table(pool):
             return torch.tensor([ids + [0] * (slots - len(ids)) for ids in pool.table], dtype=torch.int32).to(dev)
         count = lambda pool: torch.tensor([len(t) for t in pool.table], dtype=torch.int32, device=dev)  # noqa: E731
@@ -694,6 +741,44 @@ class KittyCache(Cache):
 
     def nbytes(self) -> int:
         return int(self.memory_report()["bytes"].sum())
+
+    # -- decode steps from device counters (the protocol of kitty_core.graphs) --------------------
+    def begin_device_steps(self) -> None:
+        first = self.layers[0]
+        why = None
+        if not first.is_initialized:
+            why = "it is empty: prefill it first"
+        elif any(first.pad):
+            why = "its sequences are left-padded, so they are in different states"
+        elif not self.config.quantize or not getattr(self.engine, "device_steps", False):
+            why = f"the {self.engine.name!r} engine attends from host state; the Triton engine (CUDA) can"
+        elif first.max_length is None:
+            why = "it was built without max_length, so its page pools may grow (and move)"
+        elif first.k_sink.lens[0] < self.config.sink:
+            why = f"its FP16 sink is not full yet: the prompt needs at least {self.config.sink} tokens"
+        if why:
+            raise ValueError(f"this KittyCache cannot decode from device counters: {why}")
+        from .graphs import StepCounters
+
+        self.counters = StepCounters(first.batch, 2, first.device)
+        for layer in self.layers:
+            layer.start_steps(self.counters)
+
+    def sync_device_steps(self) -> None:
+        first = self.layers[0]
+        self.counters.set([first.k_buffer.lens[0], first.v_window.lens[0]], first.tokens(0) + 1)
+        for layer in self.layers:
+            layer.page_tables()
+
+    def device_room(self) -> int:
+        """Decode steps left before the cache holds the `max_length` it was built for."""
+        first = self.layers[0]
+        return first.max_length - first.tokens(0)
+
+    def after_device_step(self) -> None:
+        packed = [layer.advance_host() for layer in self.layers]
+        if any(packed):
+            self.sync_device_steps()
 
 
 def _on_cuda(model) -> bool:

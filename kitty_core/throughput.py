@@ -31,13 +31,15 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import CompileConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, QuantizedCache, StaticCache
 
 from .cache import KittyCache, KittyLayer
 from .config import parse_method
-from .hf import num_attention_layers
+from .graphs import GraphedDecoder, can_graph
+from .hf import PendingKV, num_attention_layers
 
 BASELINES = ("dynamic", "static", "static-compiled", "quantized", "fp16-prealloc")
 
@@ -47,11 +49,14 @@ class CacheUnavailable(RuntimeError):
 
 
 class PreallocatedLayer(CacheLayerMixin):
-    """FP16 keys and values preallocated to `max_length`; attention sees only the filled prefix.
+    """FP16 keys and values preallocated to `max_length`, stored token-major [B, max_length, H, D] (the
+    layout of FlashAttention's variable-length calls); attention sees only the filled prefix.
 
-    Its model calls run SDPA on these backends, the fastest for eager decoding: cuDNN's is faster on
-    the GPU, but it builds an execution plan for each new key length, which a decode step always
-    has (~30 ms of host time per step, Qwen3-8B at batch 64 on an H200)."""
+    Eager steps run SDPA on the filled prefix, on these backends, the fastest for eager decoding:
+    cuDNN's is faster on the GPU, but it builds an execution plan for each new key length, which a
+    decode step always has (~30 ms of host time per step, Qwen3-8B at batch 64 on an H200). Steps from
+    device counters (`PreallocatedCache`, graphs.py) write at the counters' position and attend with
+    `fp16_decode_attention`, which takes the lengths from the device."""
 
     is_compileable = False
     is_sliding = False
@@ -61,23 +66,39 @@ class PreallocatedLayer(CacheLayerMixin):
         super().__init__()
         self.max_length = max_length
         self.seen = 0
+        self.steps = None  # StepCounters during device-driven steps
 
     def lazy_initialization(self, key_states, value_states) -> None:
         b, h, _, d = key_states.shape
-        self.keys = key_states.new_zeros((b, h, self.max_length, d))
-        self.values = value_states.new_zeros((b, h, self.max_length, d))
+        self.keys = key_states.new_zeros((b, self.max_length, h, d))
+        self.values = value_states.new_zeros((b, self.max_length, h, d))
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.steps is not None and key_states.shape[2] == 1:
+            return PendingKV(self, key_states), value_states  # to `attend`, through the kitty attention
+        self.insert(key_states, value_states)
+        return self.keys[:, : self.seen].transpose(1, 2), self.values[:, : self.seen].transpose(1, 2)
+
+    def insert(self, key_states, value_states) -> None:
+        """Append [B, H, t, D] keys and values at the host's position."""
         t = key_states.shape[2]
         if self.seen + t > self.max_length:
             raise ValueError(f"the cache holds {self.max_length} tokens; {self.seen + t} requested")
-        self.keys[:, :, self.seen : self.seen + t] = key_states
-        self.values[:, :, self.seen : self.seen + t] = value_states
+        self.keys[:, self.seen : self.seen + t] = key_states.transpose(1, 2)
+        self.values[:, self.seen : self.seen + t] = value_states.transpose(1, 2)
         self.seen += t
-        return self.keys[:, :, : self.seen], self.values[:, :, : self.seen]
+
+    def attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
+        """A device-driven step: the token at the counters' position, then attention over the lengths."""
+        at = self.steps.write[:1]
+        self.keys.index_copy_(1, at, key_new.transpose(1, 2))
+        self.values.index_copy_(1, at, value_new.transpose(1, 2))
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = fp16_decode_attention(query[:, :, 0], self.keys, self.values, self.steps.lens, scaling)
+        return out.unsqueeze(1), None  # [B, 1, Hq, D], as transformers expects
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -87,6 +108,65 @@ class PreallocatedLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.max_length
+
+
+def _flash_takes_used_lengths() -> bool:
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    return op is not None and any(a.name == "seqused_k" for a in op.default._schema.arguments)
+
+
+FLASH_USED_LENGTHS = _flash_takes_used_lengths()
+
+
+def fp16_decode_attention(query, keys, values, lens, scaling: float) -> torch.Tensor:
+    """One query token per sequence over the first lens[b] of `max_length` preallocated slots.
+
+    query [B, Hq, D]; keys, values [B, max_length, Hkv, D] (token-major, contiguous); lens int32 [B], on
+    the device -> [B, Hq, D]. On a GPU: FlashAttention-2's variable-length call (the kernels SDPA's
+    flash backend runs, with their split-KV decode path for grouped queries), each sequence a
+    max_length-row block of which it uses lens[b] rows (`seqused_k`): the grid and arguments do not
+    change with the lengths, so the call can be captured in a CUDA graph. Elsewhere: SDPA over every
+    slot with a mask of the used ones."""
+    b, cap, h, d = keys.shape
+    if query.is_cuda and FLASH_USED_LENGTHS:
+        starts = torch.arange(b + 1, dtype=torch.int32, device=query.device)
+        out = torch.ops.aten._flash_attention_forward(
+            query, keys.view(b * cap, h, d), values.view(b * cap, h, d), starts, starts * cap, 1, cap, 0.0,
+            False, False, scale=scaling, seqused_k=lens)[0]
+        return out
+    used = (torch.arange(cap, device=keys.device)[None, :] < lens[:, None])[:, None, None]  # [B, 1, 1, cap]
+    out = F.scaled_dot_product_attention(query[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+                                         attn_mask=used, scale=scaling, enable_gqa=True)
+    return out[:, :, 0]
+
+
+class PreallocatedCache(Cache):
+    """This library's FP16 baseline: `PreallocatedLayer`s, decoded eagerly or from device counters
+    (the protocol of graphs.py), like the Kitty caches."""
+
+    def __init__(self, config, max_length: int):
+        super().__init__(layers=[PreallocatedLayer(max_length) for _ in range(num_attention_layers(config))])
+
+    def begin_device_steps(self) -> None:
+        first = self.layers[0]
+        if not first.is_initialized:
+            raise ValueError("this cache cannot decode from device counters: it is empty, prefill it first")
+        from .graphs import StepCounters
+
+        self.counters = StepCounters(first.keys.shape[0], 1, first.keys.device)
+        for layer in self.layers:
+            layer.steps = self.counters
+
+    def sync_device_steps(self) -> None:
+        n = self.layers[0].seen
+        self.counters.set([n], n + 1)
+
+    def device_room(self) -> int:
+        return self.layers[0].max_length - self.layers[0].seen
+
+    def after_device_step(self) -> None:
+        for layer in self.layers:
+            layer.seen += 1
 
 
 class CompiledStaticCache(StaticCache):
@@ -124,7 +204,7 @@ def make_cache(kind: str, model, max_length: int) -> Cache:
         except ImportError as err:
             raise CacheUnavailable(f"transformers' QuantizedCache needs a backend: {err}") from err
     if kind == "fp16-prealloc":
-        return Cache(layers=[PreallocatedLayer(max_length) for _ in range(num_attention_layers(config))])
+        return PreallocatedCache(config, max_length)
     return KittyCache(model, kind, max_length=max_length)
 
 
@@ -149,7 +229,7 @@ def fill(cache: Cache, model, batch: int, tokens: int, chunk: int | None = None)
         k = torch.randn(batch, heads, n, dim, device=device, dtype=dtype) * spread
         v = torch.randn_like(k)
         for i, layer in enumerate(cache.layers):
-            if isinstance(layer, KittyLayer):
+            if isinstance(layer, (KittyLayer, PreallocatedLayer)):
                 if not layer.is_initialized:
                     layer.lazy_initialization(k, v)
                 layer.insert(k, v)
@@ -325,17 +405,28 @@ def timed_lengths(kind: str, prompt: int, generate: int, points: int) -> list[in
 PREFILL_CHUNKS = (512, 128, 32)  # prompt tokens per prefill forward, tried in this order
 
 
+def _decoder(model, cache: Cache, batch: int, graphs: bool):
+    """How `measure` and `validate` decode: steps replayed from a CUDA graph (graphs.py) for a cache
+    that can run them from device counters, on a GPU, if `graphs`; else eager steps (token id 1).
+    Returns (one step, sync after the host changed the cache, "graph" | "eager")."""
+    if graphs and torch.cuda.is_available() and can_graph(cache):
+        decoder = GraphedDecoder(model, cache, batch)  # its warm-up steps are real ones
+        return decoder.step, decoder.sync, "graph"
+    return (lambda: decode_step(model, cache, batch)), (lambda: None), "eager"
+
+
 @torch.inference_mode()
 def measure(model, kind: str, batch: int, prompt: int, generate: int, points: int = 4, steps: int = 3,
-            prefill_chunk: int = PREFILL_CHUNKS[0]) -> dict:
+            prefill_chunk: int = PREFILL_CHUNKS[0], graphs: bool = False) -> dict:
     """Prefill time (real forward on random ids), decode step time at `points` cache lengths from
-    the prompt to the end of the generation, their integral over the generation, peak memory."""
+    the prompt to the end of the generation, their integral over the generation, peak memory.
+    `graphs`: decode steps replayed from CUDA graphs where the cache allows (`_decoder`)."""
     _free()
     device = next(model.parameters()).device
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     base = allocated()
-    cache = make_cache(kind, model, max(timed_lengths(kind, prompt, generate, points)) + steps + 2)
+    cache = make_cache(kind, model, max(timed_lengths(kind, prompt, generate, points)) + steps + 4)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (batch, prompt), device=device)
 
@@ -345,22 +436,25 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
 
     prefill_s = _timed(prefill)
     lengths = timed_lengths(kind, prompt, generate, points)
-    step_ms = []
+    step_ms, step, sync, mode = [], None, None, "eager"
     for n in lengths:
         grow = n - cache.get_seq_length()
         if grow > 0:
             fill(cache, model, batch, grow)
-        decode_step(model, cache, batch)  # warm-up at this length
+        if step is None:
+            step, sync, mode = _decoder(model, cache, batch, graphs)
+        sync()
+        step()  # warm-up at this length
         # consecutive steps, one sync: the host runs ahead of the GPU as in a real decode loop
-        step_ms.append(1e3 * _timed(lambda: [decode_step(model, cache, batch) for _ in range(steps)]) / steps)
+        step_ms.append(1e3 * _timed(lambda: [step() for _ in range(steps)]) / steps)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     kv, view = cache_bytes(cache), cache_bytes(cache, views=True)
     tokens_held = int(cache.get_seq_length())
-    del cache
+    del cache, step, sync
     _free()
     decode_s = integrate(lengths, step_ms, prompt, prompt + generate) / 1e3
     return {"cache": kind, "batch": batch, "prompt": prompt, "generate": generate, "prefill_chunk": prefill_chunk,
-            "prefill_s": prefill_s,
+            "decode": mode, "prefill_s": prefill_s,
             "decode_s": decode_s, "tokens_per_s": batch * generate / (prefill_s + decode_s),
             "decode_tokens_per_s": batch * generate / decode_s, "peak_bytes": peak, "base_bytes": base,
             "kv_bytes": kv, "kv_bytes_per_token": kv / (batch * tokens_held), "working_view_bytes": view,
@@ -368,30 +462,32 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
 
 
 @torch.inference_mode()
-def profile_step(model, kind: str, batch: int, length: int, top: int = 12):
+def profile_step(model, kind: str, batch: int, length: int, top: int = 12, graphs: bool = False):
     """Where one decode step's GPU time goes, for one cache at `batch` sequences of `length` tokens:
     (total GPU ms, wall ms, a table of the `top` CUDA kernels by time) from torch.profiler over 3
-    steps, and the wall time of 3 more without it. Without a GPU, the same for the CPU ops."""
+    steps, and the wall time of 3 more without it. Without a GPU, the same for the CPU ops.
+    `graphs`: the steps are replayed from a CUDA graph where the cache allows (`_decoder`)."""
     import pandas as pd
     from torch.profiler import ProfilerActivity, profile
 
-    cache = make_cache(kind, model, length + 8)
+    cache = make_cache(kind, model, length + 16)
     fill(cache, model, batch, length)
+    step, _, _ = _decoder(model, cache, batch, graphs)
     for _ in range(2):
-        decode_step(model, cache, batch)  # compile, allocate
+        step()  # compile, allocate
     _sync()
     gpu = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
         for _ in range(3):
-            decode_step(model, cache, batch)
+            step()
         _sync()
     time_of = (lambda e: e.device_time_total) if gpu else (lambda e: e.self_cpu_time_total)  # noqa: E731
     rows = [{"kernel": e.key[:90], "calls": e.count // 3, "ms_per_step": time_of(e) / 3e3}
             for e in prof.key_averages() if time_of(e) > 0]
     table = pd.DataFrame(rows).sort_values("ms_per_step", ascending=False)
     total = float(table["ms_per_step"].sum()) if len(table) else 0.0
-    wall_ms = _timed(lambda: [decode_step(model, cache, batch) for _ in range(3)]) * 1e3 / 3
-    del cache
+    wall_ms = _timed(lambda: [step() for _ in range(3)]) * 1e3 / 3
+    del cache, step
     _free()
     return total, wall_ms, table.head(top)
 
@@ -405,29 +501,33 @@ def integrate(lengths, step_ms, start: int, end: int) -> float:
 
 
 @torch.inference_mode()
-def validate(model, kind: str, batch: int, prompt: int, generate: int, points: int = 4) -> dict:
+def validate(model, kind: str, batch: int, prompt: int, generate: int, points: int = 4, graphs: bool = False) -> dict:
     """One real generation of `generate` tokens against the integrated estimate of `measure`."""
-    estimate = measure(model, kind, batch, prompt, generate, points)
+    estimate = measure(model, kind, batch, prompt, generate, points, graphs=graphs)
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, prompt), device=device)
     cache = make_cache(kind, model, prompt + generate + 1)
+    mode = []
 
     def run():
         forward(model, cache, ids)
-        for _ in range(generate):
-            decode_step(model, cache, batch)
+        done = cache.get_seq_length()
+        step, _, how = _decoder(model, cache, batch, graphs)  # a graph's warm-up steps are real steps
+        mode.append(how)
+        for _ in range(generate - (cache.get_seq_length() - done)):
+            step()
 
     real_s = _timed(run)
     del cache
     _free()
     est_s = estimate["prefill_s"] + estimate["decode_s"]
-    return {"cache": kind, "batch": batch, "prompt": prompt, "generate": generate, "measured_s": real_s,
-            "estimated_s": est_s, "estimate_error": est_s / real_s - 1}
+    return {"cache": kind, "batch": batch, "prompt": prompt, "generate": generate, "decode": mode[0],
+            "measured_s": real_s, "estimated_s": est_s, "estimate_error": est_s / real_s - 1}
 
 
 def sweep(model, caches, prompt: int, generate: int, equal_batch: int | None = None, budget_bytes: int | None = None,
-          points: int = 4, start: int = 1, limit: int = 1 << 14,
-          stop: Callable[[], bool] | None = None) -> Iterator[tuple[str, dict]]:
+          points: int = 4, start: int = 1, limit: int = 1 << 14, stop: Callable[[], bool] | None = None,
+          graphs: bool = False) -> Iterator[tuple[str, dict]]:
     """Per cache: the max-batch search, then `measure` at the max batch (and at `equal_batch`).
     Yields ("probe", row), ("point", row) or ("skip", row) as each completes, so a caller can chart
     them live; `stop()` ends the sweep between steps. An out-of-memory while measuring is a row too."""
@@ -457,7 +557,7 @@ def sweep(model, caches, prompt: int, generate: int, equal_batch: int | None = N
             at, chunk, tries = b, PREFILL_CHUNKS[0], 0
             while True:
                 try:
-                    row = measure(model, kind, at, prompt, generate, points, prefill_chunk=chunk)
+                    row = measure(model, kind, at, prompt, generate, points, prefill_chunk=chunk, graphs=graphs)
                     break
                 except (torch.OutOfMemoryError, RuntimeError) as err:
                     if not _is_oom(err):

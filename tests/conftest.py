@@ -37,12 +37,12 @@ def demo():
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def tiny_model(family: str, dtype=torch.float32, seed: int = 0):
+def tiny_model(family: str, dtype=torch.float32, seed: int = 0, layers: int = 2):
     """A 2-layer decoder of the family with GQA (4 query / 2 KV heads, head size 16), random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(
-        family, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        family, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )

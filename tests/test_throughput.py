@@ -60,7 +60,7 @@ def test_sweep_prefills_in_smaller_chunks_before_it_backs_the_batch_off(monkeypa
 
     calls = []
 
-    def measure(model, kind, batch, prompt, generate, points, prefill_chunk):
+    def measure(model, kind, batch, prompt, generate, points, prefill_chunk, graphs=False):
         calls.append((batch, prefill_chunk))
         if batch * prefill_chunk > 90 * 32:
             raise torch.OutOfMemoryError("CUDA out of memory")

@@ -1,0 +1,117 @@
+"""Decode steps replayed from a CUDA graph.
+
+Decoding an 8B model eagerly is bound by the host at any batch that fits a GPU: each step launches
+about a thousand kernels from Python (40-48 ms a step for Qwen3-8B at batch 64 on an H200, whatever
+the cache), so the GPU time that a smaller KV cache saves never shows. A CUDA graph replays a
+captured step's kernels with one launch. Capture needs a step whose kernels and arguments are the
+same at every cache length, so a cache that decodes this way (`KittyCache`, and this library's FP16
+baseline `PreallocatedCache`) keeps what changes from step to step in device tensors
+(`StepCounters`: where each sequence's new token is written, how many tokens it holds), which the
+captured step reads and advances; it sizes its kernels' grids for its capacity rather than its
+length, and does the rest between replays on the host: its own bookkeeping, and packing full
+buffers into pages (once every G steps, eagerly, outside the graph).
+
+The protocol such a cache implements:
+    begin_device_steps()   check that it can (else ValueError saying why), create its counters
+    sync_device_steps()    counters <- host state (after the host changed the cache)
+    after_device_step()    host bookkeeping for one step run from the counters, packing if due
+    device_room()          steps left before the cache is full
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hf import enable_kitty_attention
+
+
+class StepCounters:
+    """Device-side state of a decode step for a batch whose sequences all hold the same tokens.
+
+    write  int64 [k]: where the new token goes in each of a cache's k FP16 regions
+    lens   int32 [B]: tokens each sequence holds, the new one included
+    """
+
+    def __init__(self, batch: int, regions: int, device):
+        self.write = torch.zeros(regions, dtype=torch.long, device=device)
+        self.lens = torch.zeros(batch, dtype=torch.int32, device=device)
+
+    def set(self, write: list[int], lens: int) -> None:
+        """Set from host values with fills (no host-to-device copy, so no synchronization)."""
+        for i, w in enumerate(write):
+            self.write[i : i + 1].fill_(w)
+        self.lens.fill_(lens)
+
+    def advance(self) -> None:
+        self.write += 1
+        self.lens += 1
+
+
+def can_graph(cache) -> bool:
+    """Does this cache implement the device-step protocol?"""
+    return hasattr(cache, "begin_device_steps")
+
+
+class GraphedDecoder:
+    """Greedy decode steps of `model` over `cache`, one token per sequence, replayed from a CUDA graph.
+
+    The captured step embeds the previous step's token ids, runs the model at the next position,
+    writes the argmax back as the next ids and advances the counters. Without CUDA (`graph=False`)
+    the same device-driven step runs eagerly, which is how it is tested on a CPU.
+    """
+
+    @torch.inference_mode()
+    def __init__(self, model, cache, batch: int, graph: bool | None = None, warmup: int = 2):
+        device = next(model.parameters()).device
+        self.model, self.cache, self.batch = model, cache, batch
+        self.use_graph = device.type == "cuda" if graph is None else graph
+        enable_kitty_attention(model)  # a device-driven step reaches its cache's layers through it
+        cache.begin_device_steps()
+        self.ids = torch.ones((batch, 1), dtype=torch.long, device=device)
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self.sync()
+        self.graph = None
+        self.logits = None
+        if self.use_graph:
+            self._capture(warmup)
+
+    @torch.inference_mode()
+    def sync(self) -> None:
+        """Take up the cache's host state (after tokens were added to it outside this decoder)."""
+        self.position.fill_(self.cache.get_seq_length())
+        self.cache.sync_device_steps()
+
+    def _body(self) -> torch.Tensor:
+        out = self.model(input_ids=self.ids, position_ids=self.position.view(1, 1), cache_position=self.position,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+        self.ids.copy_(logits.argmax(-1, keepdim=True))
+        self.position += 1
+        self.cache.counters.advance()
+        return logits
+
+    def _capture(self, warmup: int) -> None:
+        # warm-up steps (real ones) on a side stream, as CUDA graph capture asks: lazy initialization
+        # and Triton's compilation happen there, not in the capture
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._body()
+                self.cache.after_device_step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._body()
+
+    @torch.inference_mode()
+    def step(self) -> torch.Tensor:
+        """One decode step; returns its last-position logits [B, vocab] (a buffer the next step reuses)."""
+        if self.cache.device_room() <= 0:
+            raise ValueError("the cache is full: it holds the max_length it was built for; build it larger")
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.logits = self._body()
+        self.cache.after_device_step()
+        return self.logits
