@@ -47,6 +47,10 @@ class TritonEngine(ReferenceEngine):
 
     def attend(self, layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
         if key_new.shape[2] != 1 or not self.supports(layer, query):
+            if layer.steps is not None:
+                raise ValueError("decode steps from device counters need the Triton kernels, which take "
+                                 f"{'one new token' if key_new.shape[2] != 1 else 'this layer and query'} "
+                                 "only on CUDA (or in the interpreter) with power-of-two page and head sizes")
             out = super().attend(layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
             if self.supports(layer, query):
                 # prefill (or a chunk of it) attended over a dense FP16 view of this layer's history;

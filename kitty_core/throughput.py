@@ -49,8 +49,8 @@ class CacheUnavailable(RuntimeError):
 
 
 class PreallocatedLayer(CacheLayerMixin):
-    """FP16 keys and values preallocated to `max_length`, stored token-major [B, max_length, H, D] (the
-    layout of FlashAttention's variable-length calls); attention sees only the filled prefix.
+    """FP16 keys and values preallocated to `max_length`, [B, H, max_length, D]; attention sees only the
+    filled prefix.
 
     Eager steps run SDPA on the filled prefix, on these backends, the fastest for eager decoding:
     cuDNN's is faster on the GPU, but it builds an execution plan for each new key length, which a
@@ -70,8 +70,8 @@ class PreallocatedLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states, value_states) -> None:
         b, h, _, d = key_states.shape
-        self.keys = key_states.new_zeros((b, self.max_length, h, d))
-        self.values = value_states.new_zeros((b, self.max_length, h, d))
+        self.keys = key_states.new_zeros((b, h, self.max_length, d))
+        self.values = value_states.new_zeros((b, h, self.max_length, d))
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -80,22 +80,22 @@ class PreallocatedLayer(CacheLayerMixin):
         if self.steps is not None and key_states.shape[2] == 1:
             return PendingKV(self, key_states), value_states  # to `attend`, through the kitty attention
         self.insert(key_states, value_states)
-        return self.keys[:, : self.seen].transpose(1, 2), self.values[:, : self.seen].transpose(1, 2)
+        return self.keys[:, :, : self.seen], self.values[:, :, : self.seen]
 
     def insert(self, key_states, value_states) -> None:
         """Append [B, H, t, D] keys and values at the host's position."""
         t = key_states.shape[2]
         if self.seen + t > self.max_length:
             raise ValueError(f"the cache holds {self.max_length} tokens; {self.seen + t} requested")
-        self.keys[:, self.seen : self.seen + t] = key_states.transpose(1, 2)
-        self.values[:, self.seen : self.seen + t] = value_states.transpose(1, 2)
+        self.keys[:, :, self.seen : self.seen + t] = key_states
+        self.values[:, :, self.seen : self.seen + t] = value_states
         self.seen += t
 
     def attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
         """A device-driven step: the token at the counters' position, then attention over the lengths."""
         at = self.steps.write[:1]
-        self.keys.index_copy_(1, at, key_new.transpose(1, 2))
-        self.values.index_copy_(1, at, value_new.transpose(1, 2))
+        self.keys.index_copy_(2, at, key_new)
+        self.values.index_copy_(2, at, value_new)
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = fp16_decode_attention(query[:, :, 0], self.keys, self.values, self.steps.lens, scaling)
         return out.unsqueeze(1), None  # [B, 1, Hq, D], as transformers expects
@@ -121,22 +121,24 @@ FLASH_USED_LENGTHS = _flash_takes_used_lengths()
 def fp16_decode_attention(query, keys, values, lens, scaling: float) -> torch.Tensor:
     """One query token per sequence over the first lens[b] of `max_length` preallocated slots.
 
-    query [B, Hq, D]; keys, values [B, max_length, Hkv, D] (token-major, contiguous); lens int32 [B], on
-    the device -> [B, Hq, D]. On a GPU: FlashAttention-2's variable-length call (the kernels SDPA's
-    flash backend runs, with their split-KV decode path for grouped queries), each sequence a
-    max_length-row block of which it uses lens[b] rows (`seqused_k`): the grid and arguments do not
-    change with the lengths, so the call can be captured in a CUDA graph. Elsewhere: SDPA over every
-    slot with a mask of the used ones."""
-    b, cap, h, d = keys.shape
+    query [B, Hq, D]; keys, values [B, Hkv, max_length, D] (contiguous); lens int32 [B], on the device
+    -> [B, Hq, D]. On a GPU: FlashAttention-2's variable-length call (the kernels of SDPA's flash
+    backend) with every (sequence, KV head) as a sequence of its own: one KV head, its GQA group's
+    query heads, a max_length-row block of which it uses lens[b] rows (`seqused_k`). The layout is
+    the one SDPA reads (each head's keys contiguous), and the grid and arguments do not change with
+    the lengths, so the call can be captured in a CUDA graph. Elsewhere: SDPA over every slot with a
+    mask of the used ones."""
+    b, h, cap, d = keys.shape
     if query.is_cuda and FLASH_USED_LENGTHS:
-        starts = torch.arange(b + 1, dtype=torch.int32, device=query.device)
+        starts = torch.arange(b * h + 1, dtype=torch.int32, device=query.device)
         out = torch.ops.aten._flash_attention_forward(
-            query, keys.view(b * cap, h, d), values.view(b * cap, h, d), starts, starts * cap, 1, cap, 0.0,
-            False, False, scale=scaling, seqused_k=lens)[0]
-        return out
+            query.reshape(b * h, -1, d), keys.view(b * h * cap, 1, d), values.view(b * h * cap, 1, d),
+            starts, starts * cap, 1, cap, 0.0, False, False, scale=scaling,
+            seqused_k=lens.repeat_interleave(h))[0]
+        return out.reshape(b, -1, d)
     used = (torch.arange(cap, device=keys.device)[None, :] < lens[:, None])[:, None, None]  # [B, 1, 1, cap]
-    out = F.scaled_dot_product_attention(query[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=used, scale=scaling, enable_gqa=True)
+    out = F.scaled_dot_product_attention(query[:, :, None], keys, values, attn_mask=used, scale=scaling,
+                                         enable_gqa=True)
     return out[:, :, 0]
 
 

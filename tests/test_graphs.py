@@ -2,6 +2,8 @@
 logits of an eager step and leaves the cache in the same state. On CPU the device-driven step runs
 eagerly (and the Kitty kernels in Triton's interpreter); the captured graphs run on a GPU."""
 
+import os
+
 import pytest
 import torch
 
@@ -47,6 +49,8 @@ def test_fp16_baseline_steps_from_device_counters_match_eager_steps():
         decoder.step()
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="tiny shapes for the interpreter; on a GPU, "
+                    "test_graph_replays_match_eager_steps_on_the_demo_model covers it")
 def test_kitty_steps_from_device_counters_match_eager_steps_across_page_packs():
     """Triton engine (interpreter on CPU): 14 steps from 40 prompt tokens fill and pack a key page
     and a value page (G=16) between steps; the counters follow the host's packing."""
@@ -65,6 +69,7 @@ def test_kitty_steps_from_device_counters_match_eager_steps_across_page_packs():
     assert int(ours.counters.lens[0]) == a.tokens(0) + 1 and int(ours.counters.write[0]) == n
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="tiny shapes for the interpreter")
 def test_caches_that_cannot_step_from_device_counters_say_why():
     model = tiny_model("llama", layers=1)
     ids = torch.randint(3, 256, (2, PROMPT))
@@ -113,11 +118,11 @@ def test_flash_on_device_lengths_matches_sdpa_on_the_prefix():
     torch.manual_seed(0)
     b, cap, h, rep, d = 3, 1000, 8, 4, 128
     q = torch.randn(b, h * rep, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(b, cap, h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, h, cap, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     lens = torch.tensor([1, 517, 1000], dtype=torch.int32, device="cuda")
     out = fp16_decode_attention(q, k, v, lens, d**-0.5)
     for i, n in enumerate(lens.tolist()):
         want = torch.nn.functional.scaled_dot_product_attention(
-            q[i, :, None], k[i, :n].transpose(0, 1), v[i, :n].transpose(0, 1), scale=d**-0.5, enable_gqa=True)[:, 0]
+            q[i, :, None], k[i, :, :n], v[i, :, :n], scale=d**-0.5, enable_gqa=True)[:, 0]
         torch.testing.assert_close(out[i], want, atol=2e-2, rtol=2e-2)
