@@ -151,6 +151,41 @@ def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=
     return pd.DataFrame(rows).sort_values("ms")
 
 
+def fp16_attention(shape, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
+    """FP16 decode attention, one shape, on each SDPA backend that runs it, and FlashAttention on
+    device-side lengths (`fp16_decode_attention`: what the FP16 baseline's captured decode step
+    runs); GPU time of CUDA-graph replays, and the bandwidth each implies."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from .throughput import fp16_decode_attention
+
+    batch, length = shape
+    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(batch, kv_heads, length, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    nbytes, scale, rows = 2 * k.numel() * k.element_size(), head_dim**-0.5, []
+
+    def sdpa_on(backend):
+        def run():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+        return run
+
+    variants = [(f"SDPA, {b.name.lower()} backend", sdpa_on(b)) for b in
+                (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)]
+    variants.append(("FlashAttention on device lengths", lambda: fp16_decode_attention(q[:, :, 0], k, v, lens, scale)))
+    for what, fn in variants:
+        try:
+            ms = cuda_time(graphed(fn))
+        except RuntimeError as err:  # a backend that does not take this call here
+            rows.append({"batch": batch, "length": length, "attention": what, "ms": None,
+                         "note": str(err).splitlines()[0][:80]})
+            continue
+        rows.append({"batch": batch, "length": length, "attention": what, "ms": ms, "TBps": nbytes / ms / 1e9})
+    return pd.DataFrame(rows)
+
+
 def pack_cost(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> dict:
     """Packing against decoding, one shape: a page fills every G decode steps, when each sequence
     packs G tokens of keys and values per layer. Share = pack / (G x fused decode step + pack)."""
@@ -396,6 +431,7 @@ def main(argv=None) -> int:
     k.add_argument("--sweep", action="store_true", help="instead: time launch settings of the fused kernel")
     k.add_argument("--ablate", action="store_true", help="instead: time diagnostic variants of the fused kernel")
     k.add_argument("--pack", action="store_true", help="instead: packing time against decode time")
+    k.add_argument("--fp16", action="store_true", help="instead: FP16 attention on each SDPA backend")
     e = sub.add_parser("e2e", help="a whole model generating: max batch, memory, throughput per cache")
     e.add_argument("--model", default="random:qwen3-8b", help="demo | hub id | path | random:qwen3-8b ...")
     e.add_argument("--device", default=None)
@@ -446,6 +482,9 @@ def main(argv=None) -> int:
         return 0
     if a.pack:
         print(pd.DataFrame([pack_cost(shape) for shape in shapes]).to_string(index=False), flush=True)
+        return 0
+    if a.fp16:
+        print(pd.concat([fp16_attention(shape) for shape in shapes]).to_string(index=False), flush=True)
         return 0
     if a.sweep:
         for shape in shapes:
