@@ -770,6 +770,10 @@ class KittyCache(Cache):
         for layer in self.layers:
             layer.page_tables()
 
+    def step_shape(self) -> None:
+        """Every device-driven step launches the same kernels (grids span the capacity): one graph."""
+        return None
+
     def device_room(self) -> int:
         """Decode steps left before the cache holds the `max_length` it was built for."""
         first = self.layers[0]

@@ -1,19 +1,20 @@
-"""Decode steps replayed from a CUDA graph.
+"""Decode steps replayed from CUDA graphs.
 
 Decoding an 8B model eagerly is bound by the host at any batch that fits a GPU: each step launches
-about a thousand kernels from Python (40-48 ms a step for Qwen3-8B at batch 64 on an H200, whatever
+about a thousand kernels from Python (40-70 ms a step for Qwen3-8B at batch 64 on an H200, whatever
 the cache), so the GPU time that a smaller KV cache saves never shows. A CUDA graph replays a
-captured step's kernels with one launch. Capture needs a step whose kernels and arguments are the
-same at every cache length, so a cache that decodes this way (`KittyCache`, and this library's FP16
-baseline `PreallocatedCache`) keeps what changes from step to step in device tensors
-(`StepCounters`: where each sequence's new token is written, how many tokens it holds), which the
-captured step reads and advances; it sizes its kernels' grids for its capacity rather than its
-length, and does the rest between replays on the host: its own bookkeeping, and packing full
-buffers into pages (once every G steps, eagerly, outside the graph).
+captured step's kernels with one launch. Capture needs a step whose kernels and arguments stay the
+same from one step to the next, so a cache that decodes this way (`KittyCache`, and this library's
+FP16 baseline `PreallocatedCache`) keeps what changes in device tensors (`StepCounters`: where the
+new token is written, how many tokens each sequence holds), which the captured step reads and
+advances. It launches the same grids at every length (the Kitty kernels span the capacity; the FP16
+baseline reads keys in windows, one graph per window), and does the rest between replays on the
+host: its bookkeeping, and packing full buffers into pages (once every G steps, outside the graph).
 
 The protocol such a cache implements:
     begin_device_steps()   check that it can (else ValueError saying why), create its counters
     sync_device_steps()    counters <- host state (after the host changed the cache)
+    step_shape()           what the next step's kernels depend on (one captured graph per value)
     after_device_step()    host bookkeeping for one step run from the counters, packing if due
     device_room()          steps left before the cache is full
 """
@@ -53,15 +54,18 @@ def can_graph(cache) -> bool:
 
 
 class GraphedDecoder:
-    """Greedy decode steps of `model` over `cache`, one token per sequence, replayed from a CUDA graph.
+    """Greedy decode steps of `model` over `cache`, one token per sequence, replayed from CUDA graphs.
 
-    The captured step embeds the previous step's token ids, runs the model at the next position,
-    writes the argmax back as the next ids and advances the counters. Without CUDA (`graph=False`)
-    the same device-driven step runs eagerly, which is how it is tested on a CPU.
+    A step embeds the previous step's token ids (at first: id 1), runs the model at the next
+    position, writes the argmax back as the next ids and advances the counters. The first step at a
+    new `step_shape()` runs eagerly, on a side stream (the warm-up a capture needs: Triton compiles,
+    cuDNN builds its plan), and the steps after it replay the graph then captured. Every call to
+    `step` is exactly one decode step. Without CUDA (`graph=False`) every step runs eagerly from the
+    device counters, which is how this is tested on a CPU.
     """
 
     @torch.inference_mode()
-    def __init__(self, model, cache, batch: int, graph: bool | None = None, warmup: int = 2):
+    def __init__(self, model, cache, batch: int, graph: bool | None = None):
         device = next(model.parameters()).device
         self.model, self.cache, self.batch = model, cache, batch
         self.use_graph = device.type == "cuda" if graph is None else graph
@@ -69,11 +73,9 @@ class GraphedDecoder:
         cache.begin_device_steps()
         self.ids = torch.ones((batch, 1), dtype=torch.long, device=device)
         self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self.graph, self.shape, self.logits = None, None, None
+        self.captures = 0
         self.sync()
-        self.graph = None
-        self.logits = None
-        if self.use_graph:
-            self._capture(warmup)
 
     @torch.inference_mode()
     def sync(self) -> None:
@@ -90,28 +92,32 @@ class GraphedDecoder:
         self.cache.counters.advance()
         return logits
 
-    def _capture(self, warmup: int) -> None:
-        # warm-up steps (real ones) on a side stream, as CUDA graph capture asks: lazy initialization
-        # and Triton's compilation happen there, not in the capture
+    @torch.inference_mode()
+    def step(self) -> torch.Tensor:
+        """One decode step; returns its last-position logits [B, vocab] (a replayed graph's output
+        buffer, which the next step overwrites)."""
+        if self.cache.device_room() <= 0:
+            raise ValueError("the cache is full: it holds the max_length it was built for; build it larger")
+        shape = self.cache.step_shape()
+        if self.graph is not None and shape == self.shape:
+            self.graph.replay()
+            self.cache.after_device_step()
+            return self.logits
+        if not self.use_graph:
+            logits = self._body()
+            self.cache.after_device_step()
+            return logits
+        self.graph = None  # a new shape: this step runs eagerly, as the capture's warm-up
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self._body()
-                self.cache.after_device_step()
+            logits = self._body()
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._body()
-
-    @torch.inference_mode()
-    def step(self) -> torch.Tensor:
-        """One decode step; returns its last-position logits [B, vocab] (a buffer the next step reuses)."""
-        if self.cache.device_room() <= 0:
-            raise ValueError("the cache is full: it holds the max_length it was built for; build it larger")
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.logits = self._body()
         self.cache.after_device_step()
-        return self.logits
+        if self.cache.device_room() > 0 and self.cache.step_shape() == shape:  # the next step is warmed up
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.logits = self._body()
+            self.graph, self.shape = graph, shape
+            self.captures += 1
+        return logits

@@ -55,18 +55,23 @@ class PreallocatedLayer(CacheLayerMixin):
     Eager steps run SDPA on the filled prefix, on these backends, the fastest for eager decoding:
     cuDNN's is faster on the GPU, but it builds an execution plan for each new key length, which a
     decode step always has (~30 ms of host time per step, Qwen3-8B at batch 64 on an H200). Steps from
-    device counters (`PreallocatedCache`, graphs.py) write at the counters' position and attend with
-    `fp16_decode_attention`, which takes the lengths from the device."""
+    device counters (`PreallocatedCache`, graphs.py) write at the counters' position and run SDPA with
+    cuDNN first over a window of `window` slots (a multiple of `PreallocatedCache.WINDOW`) with the
+    unused ones masked: one execution plan and one captured graph per window, not per length."""
 
     is_compileable = False
     is_sliding = False
     SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    # with a mask (the window's unused slots): cuDNN's kernel, 4.4 TB/s at 64 x 8K on an H200 where
+    # the flash backend reaches 2.7 (`python -m kitty_core.bench kernels --fp16`)
+    MASKED_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
     def __init__(self, max_length: int):
         super().__init__()
         self.max_length = max_length
         self.seen = 0
         self.steps = None  # StepCounters during device-driven steps
+        self.window = max_length  # slots a device-driven step attends over (set per step by the cache)
 
     def lazy_initialization(self, key_states, value_states) -> None:
         b, h, _, d = key_states.shape
@@ -92,13 +97,17 @@ class PreallocatedLayer(CacheLayerMixin):
         self.seen += t
 
     def attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
-        """A device-driven step: the token at the counters' position, then attention over the lengths."""
+        """A device-driven step: the token at the counters' position, then attention over the window,
+        its slots from the counters' lengths on masked."""
         at = self.steps.write[:1]
         self.keys.index_copy_(2, at, key_new)
         self.values.index_copy_(2, at, value_new)
-        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = fp16_decode_attention(query[:, :, 0], self.keys, self.values, self.steps.lens, scaling)
-        return out.unsqueeze(1), None  # [B, 1, Hq, D], as transformers expects
+        w = self.window
+        used = (torch.arange(w, device=query.device)[None, :] < self.steps.lens[:, None])[:, None, None]
+        with sdpa_kernel(self.MASKED_BACKENDS):
+            out = F.scaled_dot_product_attention(query, self.keys[:, :, :w], self.values[:, :, :w], attn_mask=used,
+                                                 scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2), None  # [B, 1, Hq, D], as transformers expects
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -110,41 +119,11 @@ class PreallocatedLayer(CacheLayerMixin):
         return self.max_length
 
 
-def _flash_takes_used_lengths() -> bool:
-    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
-    return op is not None and any(a.name == "seqused_k" for a in op.default._schema.arguments)
-
-
-FLASH_USED_LENGTHS = _flash_takes_used_lengths()
-
-
-def fp16_decode_attention(query, keys, values, lens, scaling: float) -> torch.Tensor:
-    """One query token per sequence over the first lens[b] of `max_length` preallocated slots.
-
-    query [B, Hq, D]; keys, values [B, Hkv, max_length, D] (contiguous); lens int32 [B], on the device
-    -> [B, Hq, D]. On a GPU: FlashAttention-2's variable-length call (the kernels of SDPA's flash
-    backend) with every (sequence, KV head) as a sequence of its own: one KV head, its GQA group's
-    query heads, a max_length-row block of which it uses lens[b] rows (`seqused_k`). The layout is
-    the one SDPA reads (each head's keys contiguous), and the grid and arguments do not change with
-    the lengths, so the call can be captured in a CUDA graph. Elsewhere: SDPA over every slot with a
-    mask of the used ones."""
-    b, h, cap, d = keys.shape
-    if query.is_cuda and FLASH_USED_LENGTHS:
-        starts = torch.arange(b * h + 1, dtype=torch.int32, device=query.device)
-        out = torch.ops.aten._flash_attention_forward(
-            query.reshape(b * h, -1, d), keys.view(b * h * cap, 1, d), values.view(b * h * cap, 1, d),
-            starts, starts * cap, 1, cap, 0.0, False, False, scale=scaling,
-            seqused_k=lens.repeat_interleave(h))[0]
-        return out.reshape(b, -1, d)
-    used = (torch.arange(cap, device=keys.device)[None, :] < lens[:, None])[:, None, None]  # [B, 1, 1, cap]
-    out = F.scaled_dot_product_attention(query[:, :, None], keys, values, attn_mask=used, scale=scaling,
-                                         enable_gqa=True)
-    return out[:, :, 0]
-
-
 class PreallocatedCache(Cache):
     """This library's FP16 baseline: `PreallocatedLayer`s, decoded eagerly or from device counters
     (the protocol of graphs.py), like the Kitty caches."""
+
+    WINDOW = 256  # a device-driven step reads keys in windows of this many slots: < 3% extra at 8K
 
     def __init__(self, config, max_length: int):
         super().__init__(layers=[PreallocatedLayer(max_length) for _ in range(num_attention_layers(config))])
@@ -162,6 +141,14 @@ class PreallocatedCache(Cache):
     def sync_device_steps(self) -> None:
         n = self.layers[0].seen
         self.counters.set([n], n + 1)
+
+    def step_shape(self) -> int:
+        """The window the next step attends over (the tokens it will hold, rounded up to `WINDOW`)."""
+        first = self.layers[0]
+        window = min(-(-(first.seen + 1) // self.WINDOW) * self.WINDOW, first.max_length)
+        for layer in self.layers:
+            layer.window = window
+        return window
 
     def device_room(self) -> int:
         return self.layers[0].max_length - self.layers[0].seen
@@ -393,8 +380,12 @@ def timed_lengths(kind: str, prompt: int, generate: int, points: int) -> list[in
     For a Kitty preset each one moves (by less than a page) to the middle of a page, so that the few
     steps timed there never include a page being packed, whatever the preset's sink: otherwise a
     preset whose page boundaries fall on these lengths would be timed packing every time, which a
-    real generation does once every G steps."""
+    real generation does once every G steps. For fp16-prealloc each moves to the start of a window
+    of its device-driven steps, so that the steps timed there replay one captured graph."""
     lengths = [prompt + round(i * generate / max(points - 1, 1)) for i in range(points)]
+    if kind == "fp16-prealloc":  # at the start of a window of its device-driven steps (one graph for all)
+        w, end = PreallocatedCache.WINDOW, prompt + generate
+        return [n + (-n) % w if n + (-n) % w <= end else n for n in lengths]
     if kind in BASELINES:
         return lengths
     c = parse_method(kind)
@@ -408,11 +399,11 @@ PREFILL_CHUNKS = (512, 128, 32)  # prompt tokens per prefill forward, tried in t
 
 
 def _decoder(model, cache: Cache, batch: int, graphs: bool):
-    """How `measure` and `validate` decode: steps replayed from a CUDA graph (graphs.py) for a cache
+    """How `measure` and `validate` decode: steps replayed from CUDA graphs (graphs.py) for a cache
     that can run them from device counters, on a GPU, if `graphs`; else eager steps (token id 1).
     Returns (one step, sync after the host changed the cache, "graph" | "eager")."""
     if graphs and torch.cuda.is_available() and can_graph(cache):
-        decoder = GraphedDecoder(model, cache, batch)  # its warm-up steps are real ones
+        decoder = GraphedDecoder(model, cache, batch)
         return decoder.step, decoder.sync, "graph"
     return (lambda: decode_step(model, cache, batch)), (lambda: None), "eager"
 
@@ -428,7 +419,7 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     base = allocated()
-    cache = make_cache(kind, model, max(timed_lengths(kind, prompt, generate, points)) + steps + 4)
+    cache = make_cache(kind, model, max(timed_lengths(kind, prompt, generate, points)) + steps + 3)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (batch, prompt), device=device)
 
@@ -446,7 +437,8 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
         if step is None:
             step, sync, mode = _decoder(model, cache, batch, graphs)
         sync()
-        step()  # warm-up at this length
+        for _ in range(2):
+            step()  # warm-up at this length (a graph's first step at a new shape runs eagerly and captures it)
         # consecutive steps, one sync: the host runs ahead of the GPU as in a real decode loop
         step_ms.append(1e3 * _timed(lambda: [step() for _ in range(steps)]) / steps)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
@@ -476,7 +468,7 @@ def profile_step(model, kind: str, batch: int, length: int, top: int = 12, graph
     fill(cache, model, batch, length)
     step, _, _ = _decoder(model, cache, batch, graphs)
     for _ in range(2):
-        step()  # compile, allocate
+        step()  # compile, allocate, capture
     _sync()
     gpu = torch.cuda.is_available()
     with profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]) as prof:
@@ -513,10 +505,9 @@ def validate(model, kind: str, batch: int, prompt: int, generate: int, points: i
 
     def run():
         forward(model, cache, ids)
-        done = cache.get_seq_length()
-        step, _, how = _decoder(model, cache, batch, graphs)  # a graph's warm-up steps are real steps
+        step, _, how = _decoder(model, cache, batch, graphs)
         mode.append(how)
-        for _ in range(generate - (cache.get_seq_length() - done)):
+        for _ in range(generate):
             step()
 
     real_s = _timed(run)
