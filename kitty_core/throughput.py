@@ -4,7 +4,8 @@ it generates (the paper's Figure 5).
 A point is one (cache, batch size). Its decode speed is measured on a cache filled to a few lengths
 between the prompt and the end of the generation (`timed_lengths`), and integrated over the
 generation length (a full 8K-token generation at every batch size would take hours); `validate`
-runs one real generation to check that estimate. The largest batch is found by doubling until the GPU runs out of memory (or a
+runs one real generation to check that estimate. With `graphs`, the caches that can (this
+library's) decode from CUDA graphs (graphs.py), the others eagerly. The largest batch is found by doubling until the GPU runs out of memory (or a
 memory budget is exceeded), then bisecting to within 10%. Caches:
 
     dynamic         transformers DynamicCache (FP16/bf16, grows by concatenation)
@@ -12,9 +13,10 @@ memory budget is exceeded), then bisecting to within 10%. Caches:
     static-compiled the same, decoded through transformers' compiled forward as `generate` does
                     for a StaticCache (torch.compile, mode reduce-overhead: CUDA graphs on a GPU)
     quantized       transformers QuantizedCache, 2-bit quanto backend (when optimum-quanto is installed)
-    fp16-prealloc   this library's FP16 baseline: preallocated per layer, SDPA on the filled prefix
-                    only (no mask over empty slots), the decode loop of the Kitty caches; SDPA
-                    without its cuDNN backend (see `PreallocatedLayer.SDPA_BACKENDS`)
+    fp16-prealloc   this library's FP16 baseline: preallocated per layer, the decode loop of the
+                    Kitty caches; eager steps run SDPA on the filled prefix (without its cuDNN
+                    backend, see `PreallocatedLayer.SDPA_BACKENDS`), steps from CUDA graphs run
+                    cuDNN over a masked window (`PreallocatedCache`)
     <method>        a KittyCache preset (`kivi-k2v2`, `kitty`, `kitty-pro`, ...)
 
 Cache bytes are those of the cache's tensors as allocated (reserved pools included); the reference

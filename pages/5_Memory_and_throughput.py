@@ -42,13 +42,16 @@ def charts(points: pd.DataFrame, key: str) -> None:
 saved = sorted((DATA / "results").glob("e2e_*.json"))
 st.subheader("Saved runs")
 if saved:
+    first = next((i for i, p in enumerate(saved) if "graph" in p.name), None)
     pick = st.selectbox("Result file", saved, format_func=lambda p: p.name,
-                        index=next((i for i, p in enumerate(saved) if "h200" in p.name), 0))
+                        index=first if first is not None else next((i for i, p in enumerate(saved) if "h200" in p.name), 0))
     run = json.loads(pick.read_text())
     s = run["settings"]
     st.caption(f"{s['model']} on {s['gpu'] or s['device']} ({s['dtype']}, torch {s['torch']}, transformers "
                f"{s['transformers']}), prompt {s['prompt']} + {s['generate']} generated tokens"
-               + (f", cache budget {s['budget_gib']} GiB" if s.get("budget_gib") else ", until out of memory"))
+               + (f", cache budget {s['budget_gib']} GiB" if s.get("budget_gib") else ", until out of memory")
+               + (". Decode steps of this library's caches replayed from CUDA graphs (transformers' caches eager)"
+                  if s.get("decode") == "graph" else ". Eager decode steps"))
     for part in s.get("runs", []):  # a file merged from several commands says which measured what
         st.caption(f"`{part['command']}`: {', '.join(part['caches'])}" + (f" ({part['note']})" if part.get("note") else ""))
     charts(pd.DataFrame(run["points"]), "saved")
@@ -115,8 +118,9 @@ if go:
     live = st.empty()
     with gpu_lock():
         try:
+            # on a GPU, this library's caches decode from CUDA graphs, as `bench e2e` does by default
             for what, row in sweep(frame.lm.model, caches, prompt, generate, equal,
-                                   int(budget * 2**30) if budget else None, points=3, start=1):
+                                   int(budget * 2**30) if budget else None, points=3, start=1, graphs=True):
                 state[{"probe": "probes", "point": "points", "skip": "skipped"}[what]].append(row)
                 if what == "probe":
                     status.write(f"{row['cache']} at batch {row['batch']}: "
