@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import KittyConfig, parse_method
+from .graphs import StepCounters
 from .hf import PendingKV, enable_kitty_attention, num_attention_layers, sdpa_attention_forward
 from .quant import (
     KeyPages,
@@ -758,8 +759,6 @@ class KittyCache(Cache):
             why = f"its FP16 sink is not full yet: the prompt needs at least {self.config.sink} tokens"
         if why:
             raise ValueError(f"this KittyCache cannot decode from device counters: {why}")
-        from .graphs import StepCounters
-
         self.counters = StepCounters(first.batch, 2, first.device)
         for layer in self.layers:
             layer.start_steps(self.counters)

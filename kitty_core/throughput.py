@@ -40,7 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Quant
 
 from .cache import KittyCache, KittyLayer
 from .config import parse_method
-from .graphs import GraphedDecoder, can_graph
+from .graphs import GraphedDecoder, StepCounters, can_graph
 from .hf import PendingKV, num_attention_layers
 
 BASELINES = ("dynamic", "static", "static-compiled", "quantized", "fp16-prealloc")
@@ -134,8 +134,6 @@ class PreallocatedCache(Cache):
         first = self.layers[0]
         if not first.is_initialized:
             raise ValueError("this cache cannot decode from device counters: it is empty, prefill it first")
-        from .graphs import StepCounters
-
         self.counters = StepCounters(first.keys.shape[0], 1, first.keys.device)
         for layer in self.layers:
             layer.steps = self.counters
