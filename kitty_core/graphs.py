@@ -56,7 +56,7 @@ def can_graph(cache) -> bool:
 class GraphedDecoder:
     """Greedy decode steps of `model` over `cache`, one token per sequence, replayed from CUDA graphs.
 
-    A step embeds the previous step's token ids (at first: id 1), runs the model at the next
+    A step embeds the previous step's token ids (`ids`; at first `first_ids`), runs the model at the next
     position, writes the argmax back as the next ids and advances the counters. The first step at a
     new `step_shape()` runs eagerly, on a side stream (the warm-up a capture needs: Triton compiles,
     cuDNN builds its plan), and the steps after it replay the graph then captured. Every call to
@@ -65,13 +65,16 @@ class GraphedDecoder:
     """
 
     @torch.inference_mode()
-    def __init__(self, model, cache, batch: int, graph: bool | None = None):
+    def __init__(self, model, cache, batch: int, graph: bool | None = None, first_ids: torch.Tensor | None = None):
+        """`first_ids` [B, 1]: the tokens the first step embeds (say, the prefill's argmax); default id 1."""
         device = next(model.parameters()).device
         self.model, self.cache, self.batch = model, cache, batch
         self.use_graph = device.type == "cuda" if graph is None else graph
         enable_kitty_attention(model)  # a device-driven step reaches its cache's layers through it
         cache.begin_device_steps()
         self.ids = torch.ones((batch, 1), dtype=torch.long, device=device)
+        if first_ids is not None:
+            self.ids.copy_(first_ids.reshape(batch, 1))
         self.position = torch.zeros(1, dtype=torch.long, device=device)
         self.graph, self.shape, self.logits = None, None, None
         self.captures = 0

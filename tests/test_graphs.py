@@ -113,3 +113,21 @@ def test_graph_replays_match_eager_steps_on_the_demo_model(kind):
     assert ours.get_seq_length() == ref.get_seq_length()
     shapes = {min(-(-n // 256) * 256, prompt + steps + 4) for n in range(prompt + 1, prompt + steps + 1)}
     assert decoder.captures == (1 if kind != "fp16-prealloc" else len(shapes))
+
+
+def test_graphed_greedy_decoding_gives_the_tokens_of_generate():
+    """The loop of the README: prefill, then `first_ids` from its logits and one token per step,
+    the same tokens as transformers' greedy `generate` (FP16 baseline, device-driven steps)."""
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, 256, (3, 20))
+    with torch.inference_mode():
+        want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                              do_sample=False, pad_token_id=0)[:, 20:]
+        cache = make_cache("fp16-prealloc", model, 20 + 12)
+        logits = model(input_ids=ids, past_key_values=cache).logits
+        decoder = GraphedDecoder(model, cache, batch=3, graph=False, first_ids=logits[:, -1:].argmax(-1))
+        tokens = [decoder.ids.clone()]
+        for _ in range(11):
+            decoder.step()
+            tokens.append(decoder.ids.clone())
+    assert torch.equal(torch.cat(tokens, 1), want)
