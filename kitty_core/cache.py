@@ -377,8 +377,9 @@ class KittyLayer(CacheLayerMixin):
         return -(-max(self.max_length - self.config.sink, 1) // self.config.group_size)
 
     def start_steps(self, counters) -> None:
+        """Decode steps from `counters` (None: from the host's state again)."""
         self.steps = counters
-        self._tables = None  # rebuilt at the capacity's width, then refreshed in place
+        self._tables = None  # rebuilt at the width the steps need (the capacity's, then refreshed in place)
 
     def write_token(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """A device-driven step's token k, v [B, H, 1, D] into the key q-buffer and the value window,
@@ -396,7 +397,6 @@ class KittyLayer(CacheLayerMixin):
         if self.k_buffer.lens[0] < c.group_size and self.v_window.lens[0] < c.local_window + c.group_size:
             return False
         self.pack_full()
-        self.page_tables()  # refreshed now, eagerly: a captured step only reads them
         return True
 
     def _append_token_rows(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -767,7 +767,11 @@ class KittyCache(Cache):
         first = self.layers[0]
         self.counters.set([first.k_buffer.lens[0], first.v_window.lens[0]], first.tokens(0) + 1)
         for layer in self.layers:
-            layer.page_tables()
+            layer.page_tables()  # refreshed now, eagerly: a captured step only reads them
+
+    def end_device_steps(self) -> None:
+        for layer in self.layers:
+            layer.start_steps(None)
 
     def step_shape(self) -> None:
         """Every device-driven step launches the same kernels (grids span the capacity): one graph."""

@@ -17,6 +17,7 @@ The protocol such a cache implements:
     step_shape()           what the next step's kernels depend on (one captured graph per value)
     after_device_step()    host bookkeeping for one step run from the counters, packing if due
     device_room()          steps left before the cache is full
+    end_device_steps()     back to eager steps from the host's state
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class GraphedDecoder:
     new `step_shape()` runs eagerly, on a side stream (the warm-up a capture needs: Triton compiles,
     cuDNN builds its plan), and the steps after it replay the graph then captured. Every call to
     `step` is exactly one decode step. Without CUDA (`graph=False`) every step runs eagerly from the
-    device counters, which is how this is tested on a CPU.
+    device counters, which is how this is tested on a CPU. `close()` (or leaving a `with` block)
+    frees the graph and hands the cache back to eager steps, `model(...)` or `generate`.
     """
 
     @torch.inference_mode()
@@ -124,3 +126,13 @@ class GraphedDecoder:
             self.graph, self.shape = graph, shape
             self.captures += 1
         return logits
+
+    def close(self) -> None:
+        self.graph = None
+        self.cache.end_device_steps()
+
+    def __enter__(self) -> "GraphedDecoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -150,6 +150,10 @@ class PreallocatedCache(Cache):
             layer.window = window
         return window
 
+    def end_device_steps(self) -> None:
+        for layer in self.layers:
+            layer.steps = None
+
     def device_room(self) -> int:
         return self.layers[0].max_length - self.layers[0].seen
 

@@ -43,9 +43,13 @@ def test_fp16_baseline_steps_from_device_counters_match_eager_steps():
     assert ours.get_seq_length() == ref.get_seq_length() == prompt + steps
     assert ours.layers[0].window == prompt + steps + 1  # the last window stops at the capacity
     torch.testing.assert_close(ours.layers[1].keys, ref.layers[1].keys)  # every token in its slot
-    decoder.step()  # the last slot
+    decoder.close()  # an eager step after the decoder's: it takes up the host's record
+    with torch.inference_mode():
+        tok = decoder.ids.clone()
+        eager = model(input_ids=tok, past_key_values=ours, use_cache=True).logits[:, -1]
+        torch.testing.assert_close(eager, model(input_ids=tok, past_key_values=ref, use_cache=True).logits[:, -1])
     with pytest.raises(ValueError, match="cache is full"):
-        decoder.step()
+        GraphedDecoder(model, ours, 2, graph=False).step()
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="tiny shapes for the interpreter; on a GPU, "
@@ -66,6 +70,11 @@ def test_kitty_steps_from_device_counters_match_eager_steps_across_page_packs():
     n = a.k_buffer.lens[0]
     torch.testing.assert_close(a.k_buffer.buf[:, :, :n], b.k_buffer.buf[:, :, :n])
     assert int(ours.counters.lens[0]) == a.tokens(0) + 1 and int(ours.counters.write[0]) == n
+    with decoder, torch.inference_mode():  # then back to eager steps, from the host's record
+        tok = decoder.ids.clone()
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=tok, past_key_values=ours).logits,
+                                   model(input_ids=tok, past_key_values=ref).logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="tiny shapes for the interpreter")
