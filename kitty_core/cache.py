@@ -384,9 +384,9 @@ class KittyLayer(CacheLayerMixin):
     def write_token(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """A device-driven step's token k, v [B, H, 1, D] into the key q-buffer and the value window,
         at the counters' positions; the host's record follows in `advance_host`."""
-        w = self.steps.write
-        self.k_buffer.buf.index_copy_(2, w[0:1], k)
-        self.v_window.buf.index_copy_(2, w[1:2], v)
+        w, rows = self.steps.write, self.steps.rows
+        self.k_buffer.buf[rows, :, w[0]] = k[:, :, 0]
+        self.v_window.buf[rows, :, w[1]] = v[:, :, 0]
 
     def advance_host(self) -> bool:
         """The host's record of a token `write_token` stored; packs what became full. True if it packed."""
@@ -394,7 +394,7 @@ class KittyLayer(CacheLayerMixin):
         self.seen += 1
         self.k_buffer.lens = [n + 1 for n in self.k_buffer.lens]
         self.v_window.lens = [n + 1 for n in self.v_window.lens]
-        if self.k_buffer.lens[0] < c.group_size and self.v_window.lens[0] < c.local_window + c.group_size:
+        if max(self.k_buffer.lens) < c.group_size and max(self.v_window.lens) < c.local_window + c.group_size:
             return False
         self.pack_full()
         return True
@@ -427,7 +427,7 @@ class KittyLayer(CacheLayerMixin):
         """Accumulate squared queries [B, Hq, t, D] per KV head and channel, pads excluded."""
         b, hq, t, d = query.shape
         q2 = query.float().pow(2).reshape(b, self.heads, hq // self.heads, t, d)
-        if not any(self.pad):  # every query is real: no mask (nor its host-built tensor)
+        if self.seen >= max(self.pad):  # every query is real: no mask (nor its host-built tensor)
             self.q_energy += q2.sum((2, 3))
             self.q_count += t * (hq // self.heads)
             return
@@ -749,14 +749,12 @@ class KittyCache(Cache):
         why = None
         if not first.is_initialized:
             why = "it is empty: prefill it first"
-        elif any(first.pad):
-            why = "its sequences are left-padded, so they are in different states"
         elif not self.config.quantize or not getattr(self.engine, "device_steps", False):
             why = f"the {self.engine.name!r} engine attends from host state; the Triton engine (CUDA) can"
         elif first.max_length is None:
             why = "it was built without max_length, so its page pools may grow (and move)"
-        elif first.k_sink.lens[0] < self.config.sink:
-            why = f"its FP16 sink is not full yet: the prompt needs at least {self.config.sink} tokens"
+        elif min(first.k_sink.lens) < self.config.sink:
+            why = f"an FP16 sink is not full yet: every prompt needs at least {self.config.sink} tokens"
         if why:
             raise ValueError(f"this KittyCache cannot decode from device counters: {why}")
         self.counters = StepCounters(first.batch, 2, first.device)
@@ -765,7 +763,7 @@ class KittyCache(Cache):
 
     def sync_device_steps(self) -> None:
         first = self.layers[0]
-        self.counters.set([first.k_buffer.lens[0], first.v_window.lens[0]], first.tokens(0) + 1)
+        self.counters.set([first.k_buffer.lens, first.v_window.lens], [n + 1 for n in self.held_tokens()])
         for layer in self.layers:
             layer.page_tables()  # refreshed now, eagerly: a captured step only reads them
 
@@ -777,10 +775,13 @@ class KittyCache(Cache):
         """Every device-driven step launches the same kernels (grids span the capacity): one graph."""
         return None
 
-    def device_room(self) -> int:
-        """Decode steps left before the cache holds the `max_length` it was built for."""
+    def held_tokens(self) -> list[int]:
         first = self.layers[0]
-        return first.max_length - first.tokens(0)
+        return [first.tokens(b) for b in range(first.batch)]
+
+    def device_room(self) -> int:
+        """Decode steps left before the longest sequence holds the `max_length` it was built for."""
+        return self.layers[0].max_length - max(self.held_tokens())
 
     def after_device_step(self) -> None:
         packed = [layer.advance_host() for layer in self.layers]

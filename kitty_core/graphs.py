@@ -14,6 +14,7 @@ host: its bookkeeping, and packing full buffers into pages (once every G steps, 
 The protocol such a cache implements:
     begin_device_steps()   check that it can (else ValueError saying why), create its counters
     sync_device_steps()    counters <- host state (after the host changed the cache)
+    held_tokens()          real tokens each sequence holds (its next position)
     step_shape()           what the next step's kernels depend on (one captured graph per value)
     after_device_step()    host bookkeeping for one step run from the counters, packing if due
     device_room()          steps left before the cache is full
@@ -28,21 +29,22 @@ from .hf import enable_kitty_attention
 
 
 class StepCounters:
-    """Device-side state of a decode step for a batch whose sequences all hold the same tokens.
+    """Device-side state of a decode step, per sequence.
 
-    write  int64 [k]: where the new token goes in each of a cache's k FP16 regions
+    write  int64 [k, B]: where sequence b's new token goes in each of a cache's k FP16 regions
     lens   int32 [B]: tokens each sequence holds, the new one included
     """
 
     def __init__(self, batch: int, regions: int, device):
-        self.write = torch.zeros(regions, dtype=torch.long, device=device)
+        self.write = torch.zeros((regions, batch), dtype=torch.long, device=device)
         self.lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.rows = torch.arange(batch, device=device)
 
-    def set(self, write: list[int], lens: int) -> None:
-        """Set from host values with fills (no host-to-device copy, so no synchronization)."""
-        for i, w in enumerate(write):
-            self.write[i : i + 1].fill_(w)
-        self.lens.fill_(lens)
+    def set(self, write: list[list[int]], lens: list[int]) -> None:
+        """From the host's values: copies of a few integers that do not wait for the GPU (a pageable
+        source is staged before the call returns), in stream order with the steps around them."""
+        self.write.copy_(torch.tensor(write, dtype=torch.long), non_blocking=True)
+        self.lens.copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
 
     def advance(self) -> None:
         self.write += 1
@@ -77,7 +79,8 @@ class GraphedDecoder:
         self.ids = torch.ones((batch, 1), dtype=torch.long, device=device)
         if first_ids is not None:
             self.ids.copy_(first_ids.reshape(batch, 1))
-        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self.position = torch.zeros(1, dtype=torch.long, device=device)  # in the padded layout
+        self.position_ids = torch.zeros((batch, 1), dtype=torch.long, device=device)  # each sequence's own
         self.graph, self.shape, self.logits = None, None, None
         self.captures = 0
         self.sync()
@@ -86,14 +89,17 @@ class GraphedDecoder:
     def sync(self) -> None:
         """Take up the cache's host state (after tokens were added to it outside this decoder)."""
         self.position.fill_(self.cache.get_seq_length())
+        held = torch.tensor(self.cache.held_tokens(), dtype=torch.long)[:, None]
+        self.position_ids.copy_(held, non_blocking=True)  # as generate counts them: pads left out
         self.cache.sync_device_steps()
 
     def _body(self) -> torch.Tensor:
-        out = self.model(input_ids=self.ids, position_ids=self.position.view(1, 1), cache_position=self.position,
+        out = self.model(input_ids=self.ids, position_ids=self.position_ids, cache_position=self.position,
                          past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1]
         self.ids.copy_(logits.argmax(-1, keepdim=True))
         self.position += 1
+        self.position_ids += 1
         self.cache.counters.advance()
         return logits
 

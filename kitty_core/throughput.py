@@ -101,7 +101,7 @@ class PreallocatedLayer(CacheLayerMixin):
     def attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
         """A device-driven step: the token at the counters' position, then attention over the window,
         its slots from the counters' lengths on masked."""
-        at = self.steps.write[:1]
+        at = self.steps.write[0, :1]  # every sequence holds the same tokens
         self.keys.index_copy_(2, at, key_new)
         self.values.index_copy_(2, at, value_new)
         w = self.window
@@ -138,9 +138,12 @@ class PreallocatedCache(Cache):
         for layer in self.layers:
             layer.steps = self.counters
 
+    def held_tokens(self) -> list[int]:
+        return [self.layers[0].seen] * self.layers[0].keys.shape[0]
+
     def sync_device_steps(self) -> None:
         n = self.layers[0].seen
-        self.counters.set([n], n + 1)
+        self.counters.set([[n] * len(self.counters.rows)], [n + 1] * len(self.counters.rows))
 
     def step_shape(self) -> int:
         """The window the next step attends over (the tokens it will hold, rounded up to `WINDOW`)."""
