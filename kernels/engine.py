@@ -28,12 +28,17 @@ class TritonEngine(ReferenceEngine):
         """The kernels take power-of-two page and head sizes of at least 64 on a GPU (code planes 16 wide
         for the tensor cores) and up to 64 query heads per KV head; anything else attends through the
         reference path."""
+        return TritonEngine.takes(layer, query.shape[1], query.is_cuda)
+
+    @staticmethod
+    def takes(layer, q_heads: int, cuda: bool) -> bool:
+        """`supports` for a layer and a number of query heads, before any query exists."""
         c, d = layer.config, layer.head_dim
-        if not (query.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):  # the interpreter takes CPU tensors
+        if not (cuda or os.environ.get("TRITON_INTERPRET") == "1"):  # the interpreter takes CPU tensors
             return False
-        least = 64 if query.is_cuda else 4  # the interpreter has no tensor cores, and takes tiny test shapes
+        least = 64 if cuda else 4  # the interpreter has no tensor cores, and takes tiny test shapes
         pow2 = lambda x: x >= least and x & (x - 1) == 0  # noqa: E731
-        return c.quantize and pow2(c.group_size) and pow2(d) and query.shape[1] // layer.heads <= 64
+        return c.quantize and pow2(c.group_size) and pow2(d) and q_heads // layer.heads <= 64
 
     def quantize_keys(self, keys, n_boost, rule, generator, query_rms=None):
         if keys.is_cuda and pack.supported(keys, rule):

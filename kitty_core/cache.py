@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import KittyConfig, parse_method
 from .graphs import StepCounters
-from .hf import PendingKV, enable_kitty_attention, num_attention_layers, sdpa_attention_forward
+from .hf import PendingKV, enable_kitty_attention, model_shape, num_attention_layers, sdpa_attention_forward
 from .quant import (
     KeyPages,
     ValuePages,
@@ -726,6 +726,7 @@ class KittyCache(Cache):
         self.engine = make_engine(engine)
         enable_kitty_attention(model)
         n = num_attention_layers(model.config)
+        self.q_heads = model_shape(model.config)["q_heads"]
         super().__init__(layers=[KittyLayer(self.config, self.engine, i, max_length) for i in range(n)])
 
     def memory_report(self) -> pd.DataFrame:
@@ -751,6 +752,9 @@ class KittyCache(Cache):
             why = "it is empty: prefill it first"
         elif not self.config.quantize or not getattr(self.engine, "device_steps", False):
             why = f"the {self.engine.name!r} engine attends from host state; the Triton engine (CUDA) can"
+        elif not self.engine.takes(first, self.q_heads, first.device.type == "cuda"):
+            why = (f"the Triton kernels do not take this shape (page size {self.config.group_size}, head size "
+                   f"{first.head_dim}: powers of two >= 64 on a GPU), so its steps attend from host state")
         elif first.max_length is None:
             why = "it was built without max_length, so its page pools may grow (and move)"
         elif min(first.k_sink.lens) < self.config.sink:

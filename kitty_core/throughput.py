@@ -408,10 +408,13 @@ PREFILL_CHUNKS = (512, 128, 32)  # prompt tokens per prefill forward, tried in t
 def _decoder(model, cache: Cache, batch: int, graphs: bool):
     """How `measure` and `validate` decode: steps replayed from CUDA graphs (graphs.py) for a cache
     that can run them from device counters, on a GPU, if `graphs`; else eager steps (token id 1).
-    Returns (one step, sync after the host changed the cache, "graph" | "eager")."""
+    Returns (one step, sync after the host changed the cache, "graph" | "eager" | "eager (why)").""
     if graphs and torch.cuda.is_available() and can_graph(cache):
-        decoder = GraphedDecoder(model, cache, batch)
-        return decoder.step, decoder.sync, "graph"
+        try:
+            decoder = GraphedDecoder(model, cache, batch)
+            return decoder.step, decoder.sync, "graph"
+        except ValueError as err:  # this cache cannot step from device counters: eager, and why
+            return (lambda: decode_step(model, cache, batch)), (lambda: None), f"eager ({err})"
     return (lambda: decode_step(model, cache, batch)), (lambda: None), "eager"
 
 

@@ -85,6 +85,8 @@ def test_caches_that_cannot_step_from_device_counters_say_why():
         (KittyCache(model, SMALL_KITTY, engine="triton", max_length=64), {"input_ids": ids[:, :2]}, "sink is not full"),
         (KittyCache(model, SMALL_KITTY, engine="reference", max_length=64), {"input_ids": ids}, "reference"),
         (KittyCache(model, SMALL_KITTY, engine="triton"), {"input_ids": ids}, "max_length"),
+        (KittyCache(model, SMALL_KITTY + "+group_size=12", engine="triton", max_length=64), {"input_ids": ids},
+         "page size 12"),
     ]
     with torch.inference_mode():
         for cache, inputs, why in cases:
