@@ -408,7 +408,7 @@ PREFILL_CHUNKS = (512, 128, 32)  # prompt tokens per prefill forward, tried in t
 def _decoder(model, cache: Cache, batch: int, graphs: bool):
     """How `measure` and `validate` decode: steps replayed from CUDA graphs (graphs.py) for a cache
     that can run them from device counters, on a GPU, if `graphs`; else eager steps (token id 1).
-    Returns (one step, sync after the host changed the cache, "graph" | "eager" | "eager (why)").""
+    Returns (one step, sync after the host changed the cache, "graph" | "eager" | "eager (why)")."""
     if graphs and torch.cuda.is_available() and can_graph(cache):
         try:
             decoder = GraphedDecoder(model, cache, batch)
