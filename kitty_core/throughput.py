@@ -406,16 +406,19 @@ PREFILL_CHUNKS = (512, 128, 32)  # prompt tokens per prefill forward, tried in t
 
 
 def _decoder(model, cache: Cache, batch: int, graphs: bool):
-    """How `measure` and `validate` decode: steps replayed from CUDA graphs (graphs.py) for a cache
-    that can run them from device counters, on a GPU, if `graphs`; else eager steps (token id 1).
-    Returns (one step, sync after the host changed the cache, "graph" | "eager" | "eager (why)")."""
-    if graphs and torch.cuda.is_available() and can_graph(cache):
-        try:
-            decoder = GraphedDecoder(model, cache, batch)
-            return decoder.step, decoder.sync, "graph"
-        except ValueError as err:  # this cache cannot step from device counters: eager, and why
-            return (lambda: decode_step(model, cache, batch)), (lambda: None), f"eager ({err})"
-    return (lambda: decode_step(model, cache, batch)), (lambda: None), "eager"
+    """How `measure` and `validate` decode. With `graphs`, a cache that can step from device
+    counters does (graphs.py): replayed from CUDA graphs on a GPU, eagerly elsewhere; any other
+    cache, and every cache without `graphs`, takes eager steps (token id 1). Returns (one step, sync
+    after the host changed the cache, how it decodes: "graph", "device counters, eager", "eager" or
+    "eager (why not from device counters)")."""
+    eager = (lambda: decode_step(model, cache, batch)), (lambda: None)  # noqa: E731
+    if not (graphs and can_graph(cache)):
+        return (*eager, "eager")
+    try:
+        decoder = GraphedDecoder(model, cache, batch)
+    except ValueError as err:  # this cache cannot step from device counters: eager, and why
+        return (*eager, f"eager ({err})")
+    return decoder.step, decoder.sync, "graph" if decoder.use_graph else "device counters, eager"
 
 
 @torch.inference_mode()

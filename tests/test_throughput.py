@@ -87,6 +87,21 @@ def test_measure_runs_the_model_without_autograd(monkeypatch):
     assert row["prefill_chunk"] == 512 and len(grad) >= 5 and not any(grad)
 
 
+def test_measure_with_graphs_says_how_each_cache_decoded():
+    """`graphs`: the FP16 baseline steps from device counters (eagerly on a CPU: no CUDA graph to
+    replay), a Kitty cache on the reference engine cannot and says why, transformers' caches are eager."""
+    from conftest import tiny_model
+    from kitty_core.throughput import measure
+
+    model = tiny_model("llama")
+    how = {kind: measure(model, kind, 2, 40, 16, points=2, graphs=True)["decode"]
+           for kind in ("fp16-prealloc", "kitty-pro", "dynamic")}
+    assert how["fp16-prealloc"] == "device counters, eager"
+    assert how["kitty-pro"].startswith("eager (") and "'reference' engine" in how["kitty-pro"]
+    assert how["dynamic"] == "eager"
+    assert measure(model, "fp16-prealloc", 2, 40, 16, points=2)["decode"] == "eager"
+
+
 def test_compiled_static_cache_decodes_through_the_compiled_call():
     """static-compiled: prefill eager, each decode step through transformers' compiled forward
     (dynamo with a backend that runs the captured graphs as they are, to test the plumbing without a
