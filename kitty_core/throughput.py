@@ -5,8 +5,9 @@ A point is one (cache, batch size). Its decode speed is measured on a cache fill
 between the prompt and the end of the generation (`timed_lengths`), and integrated over the
 generation length (a full 8K-token generation at every batch size would take hours); `validate`
 runs one real generation to check that estimate. With `graphs`, the caches that can (this
-library's) decode from CUDA graphs (graphs.py), the others eagerly. The largest batch is found by doubling until the GPU runs out of memory (or a
-memory budget is exceeded), then bisecting to within 10%. Caches:
+library's) decode from CUDA graphs (graphs.py), the others eagerly. The largest batch is found by
+doubling until the GPU runs out of memory (or a memory budget is exceeded), then bisecting to within
+10%. Caches:
 
     dynamic         transformers DynamicCache (FP16/bf16, grows by concatenation)
     static          transformers StaticCache (preallocated to the full length), eager
