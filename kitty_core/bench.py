@@ -153,9 +153,12 @@ def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=
 
 def fp16_attention(shape, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
     """FP16 decode attention, one shape, on each SDPA backend that runs it, and as the FP16 baseline's
-    captured decode step runs it (cuDNN over a window of up to 2 x 256 slots more, masked); GPU time
+    captured decode step runs it (cuDNN over a window of up to `PreallocatedCache.WINDOW` slots more,
+    masked); GPU time
     of CUDA-graph replays, and the bandwidth each implies (of the used keys and values)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from .throughput import PreallocatedCache
 
     batch, length = shape
     q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
@@ -171,7 +174,8 @@ def fp16_attention(shape, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bflo
 
     variants = [(f"SDPA, {b.name.lower()} backend", sdpa_on(b)) for b in
                 (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)]
-    window = -(-length // 256) * 256 + 256  # as the FP16 baseline's device-driven steps read it, worst case
+    w = PreallocatedCache.WINDOW  # as the FP16 baseline's step after `length` tokens reads them (the most unused)
+    window = -(-length // w) * w + w
     kw = torch.cat([k, torch.zeros_like(k[:, :, : window - length])], 2)
     vw = torch.cat([v, torch.zeros_like(v[:, :, : window - length])], 2)
     used = (torch.arange(window, device="cuda") < length)[None, None, None]
