@@ -154,8 +154,8 @@ def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=
 def fp16_attention(shape, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
     """FP16 decode attention, one shape, on each SDPA backend that runs it, and as the FP16 baseline's
     captured decode step runs it (cuDNN over a window of up to `PreallocatedCache.WINDOW` slots more,
-    masked); GPU time
-    of CUDA-graph replays, and the bandwidth each implies (of the used keys and values)."""
+    masked); GPU time of CUDA-graph replays, and the bandwidth each implies (of the used keys and
+    values)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from .throughput import PreallocatedCache
