@@ -76,6 +76,11 @@ class GraphedDecoder:
         self.use_graph = device.type == "cuda" if graph is None else graph
         enable_kitty_attention(model)  # a device-driven step reaches its cache's layers through it
         cache.begin_device_steps()
+        held = len(cache.held_tokens())
+        if held != batch or (first_ids is not None and first_ids.numel() != batch):
+            cache.end_device_steps()
+            got = f"first_ids of {first_ids.numel()} tokens" if held == batch else f"a cache of {held} sequences"
+            raise ValueError(f"batch={batch} sequences, but {got}: one token per sequence of the prefilled cache")
         self.ids = torch.ones((batch, 1), dtype=torch.long, device=device)
         if first_ids is not None:
             self.ids.copy_(first_ids.reshape(batch, 1))

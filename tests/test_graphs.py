@@ -95,6 +95,12 @@ def test_caches_that_cannot_step_from_device_counters_say_why():
                 GraphedDecoder(model, cache, 2, graph=False)
         with pytest.raises(ValueError, match="empty"):
             GraphedDecoder(model, make_cache("fp16-prealloc", model, 8), 2, graph=False)
+        cache = make_cache("fp16-prealloc", model, PROMPT + 4)
+        model(input_ids=ids, past_key_values=cache)
+        with pytest.raises(ValueError, match="a cache of 2 sequences"):
+            GraphedDecoder(model, cache, 3, graph=False)
+        with pytest.raises(ValueError, match="first_ids of 1 tokens"):
+            GraphedDecoder(model, cache, 2, graph=False, first_ids=ids[:1, -1:])
 
 
 @pytest.mark.gpu
