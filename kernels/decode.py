@@ -31,6 +31,12 @@ values) are the 16 rows of a tensor-core tile and the GQA group's query heads it
 padded to 8 rather than 16, and no longer duplicated into every row block: half the tensor-core
 instructions, none of the register moves that assembled a padded query operand, and softmax and
 rescaling on [G/4, 4] tiles. Query tiles elsewhere are 4 rows (Triton pads the dot).
+It also leaves the plane's bits where they lie: bytes widened to 16 bits (two byte permutes per
+four), `(x & 3 << 2P) | 0x6400` is 1024 + 4^P x code, exact in fp16, one `lop3` for two codes
+(`_scaled_plane`); the 4^P comes out with the 1024 in the multiply-add that scales the scores and,
+for the values, once per program. And it issues each page's small loads (boost index one page
+ahead, the boosted queries, the value scales) before the work that precedes their use, so that
+their latency overlaps it.
 The kernels take every stride of the planes: `kitty_core.cache.PagePool` stores them with the
 reduced axis contiguous (key channels, value tokens), so that a tensor-core operand reads four codes'
 bytes at once from shared memory. `python -m kernels.compile` shows what ptxas makes of all this.
@@ -105,6 +111,49 @@ def _plane_f16(raw, P: tl.constexpr, BIAS: tl.constexpr):
     if BIAS == 2:
         return _ptx_plane(raw, raw, P, False)
     return _to_f16(_plane(raw, P), BIAS)
+
+
+def _scaled_ptx(plane: int) -> str:
+    """PTX for two codes widened to 16 bits each ($1) -> the fp16 bit patterns of 1024 + 4^plane x
+    code ($0): plane `plane`'s two bits masked where they lie, under the exponent of 1024. One
+    instruction for two codes."""
+    mask = 0x00030003 << (2 * plane)
+    return f"lop3.b32 $0, $1, {mask:#010x}, 0x64006400, 0xea;"  # (a & b) | c
+
+
+_SCALED0, _SCALED1, _SCALED2, _SCALED3 = [tl.constexpr(_scaled_ptx(p)) for p in range(4)]
+
+
+@triton.jit
+def _widen(raw, BIAS: tl.constexpr):
+    """Packed bytes -> int16, zero-extended: in PTX two byte permutes for four bytes (BIAS 2), where
+    the compiler's own conversion spends three instructions on two."""
+    if BIAS == 2:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x4140; prmt.b32 $1, $2, z, 0x4342; }",
+            "=r,=r,r", [raw], dtype=tl.int16, is_pure=True, pack=4)
+    return raw.to(tl.int16)
+
+
+@triton.jit
+def _scaled_asm(wide, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, "=r,r", [wide], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _scaled_plane(wide, P: tl.constexpr, BIAS: tl.constexpr):
+    """Plane P of packed bytes widened to int16 (`wide`), as the fp16 numbers 1024 + 4^P x code:
+    the plane's bits are masked in place, not shifted down (the 4^P is taken out after the dot).
+    BIAS 2: two codes per instruction in PTX (CUDA only); else element by element."""
+    if BIAS == 2:
+        if P == 0:
+            return _scaled_asm(wide, _SCALED0)
+        elif P == 1:
+            return _scaled_asm(wide, _SCALED1)
+        elif P == 2:
+            return _scaled_asm(wide, _SCALED2)
+        return _scaled_asm(wide, _SCALED3)
+    return ((wide & (3 << (2 * P))) | 0x6400).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -194,71 +243,90 @@ def _page_values_part(p, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase, s
 
 
 @triton.jit
-def _key_plane_scores_t(qk, qb, raw, hraw, P: tl.constexpr, NB: tl.constexpr, BIAS: tl.constexpr):
-    """Scores [G/4, R] of the tokens of plane P, tokens as the rows of the tensor-core tile."""
-    s = tl.dot(_plane_f16(raw, P, BIAS), qk)
-    if NB > 0:
-        s = tl.dot(_plane_f16(hraw, P, BIAS), qb, s)
-    return s
+def _boost_index(KC, base, NB: tl.constexpr, NB_P: tl.constexpr):
+    """A page head's boost index: its NB boosted channels ([NB_P], rows >= NB: channel 0)."""
+    k = tl.arange(0, NB_P)
+    return tl.load(KC + base + k, mask=k < NB, other=0).to(tl.int32)
 
 
 @triton.jit
-def _page_scores_t(qt, QGT, qkeep, scaling, KD, KH, KC, KSC, KZ, kbase, hbase, sbase, cbase, sKDd, sKDg, sKHr,
-                   sKHg, D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr,
-                   BIAS: tl.constexpr):
-    """`_page_scores` transposed: queries qt [D, R], scores [G/4, R] (tokens down, query heads across)."""
-    G4: tl.constexpr = G // 4
-    d = tl.arange(0, D)
-    g = tl.arange(0, G4)
-    ks = tl.load(KSC + sbase + d).to(tl.float32)
-    kz = tl.load(KZ + sbase + d).to(tl.float32)
+def _boosted_query(QGT, qkeep, scaling, KSC, ch, kpage, sKSp, sbase_h, NB: tl.constexpr, NB_P: tl.constexpr):
+    """The queries [NB_P, R] of a page's boosted channels ch, times their key scales and 4 (the high
+    bits' weight), in fp16, and their column sums [R] (fp32)."""
+    listed = (tl.arange(0, NB_P) < NB)[:, None]
+    qg = tl.load(QGT + ch[:, None], mask=qkeep & listed, other=0.0).to(tl.float32) * scaling
+    sc = tl.load(KSC + kpage * sKSp + sbase_h + ch).to(tl.float32)
+    # x 4 after the fp16 rounding, as (4 * fp16 qk) of the same channel: exact
+    qb = ((qg * sc[:, None]).to(tl.float16) * 4.0).to(tl.float16)
+    return qb, tl.sum(qb.to(tl.float32), 0)
+
+
+@triton.jit
+def _page_scores_s(qt, qb, sb, raw, hraw, ks, kz, NB: tl.constexpr, BIAS: tl.constexpr):
+    """Scores [G/4, R] of the four token quarters of a key page head (dense plane raw [G/4, D], high
+    plane hraw [G/4, NB_P]) for the queries qt [D, R] (fp32, pre-scaled): quarter P is code plane
+    P, whose dots come out as 1024 x (sum of the operand) + 4^P x the code dot, and are scaled back
+    with one multiply-add per score. qb, sb: `_boosted_query` of the page."""
     qk = (qt * ks[:, None]).to(tl.float16)
-    if BIAS:
-        shift = tl.sum(qt * kz[:, None] - 1024.0 * qk.to(tl.float32), 0)
-    else:
-        shift = tl.sum(qt * kz[:, None], 0)
-    raw = tl.load(KD + kbase + g[:, None] * sKDg + d[None, :] * sKDd)  # [G/4, D]
-    qb = qk
-    hraw = raw
+    bias = 1024.0 * tl.sum(qk.to(tl.float32), 0)
     if NB > 0:
-        k = tl.arange(0, NB_P)
-        listed = k < NB
-        ch = tl.load(KC + cbase + k, mask=listed, other=0).to(tl.int32)
-        qg = tl.load(QGT + ch[:, None], mask=qkeep & listed[:, None], other=0.0).to(tl.float32) * scaling
-        qb = ((qg * tl.load(KSC + sbase + ch).to(tl.float32)[:, None]).to(tl.float16) * 4.0).to(tl.float16)
-        if BIAS:
-            shift -= 1024.0 * tl.sum(qb.to(tl.float32), 0)
-        hraw = tl.load(KH + hbase + g[:, None] * sKHg + k[None, :] * sKHr, mask=listed[None, :], other=0)
-    s0 = _key_plane_scores_t(qk, qb, raw, hraw, 0, NB, BIAS) + shift[None, :]
-    s1 = _key_plane_scores_t(qk, qb, raw, hraw, 1, NB, BIAS) + shift[None, :]
-    s2 = _key_plane_scores_t(qk, qb, raw, hraw, 2, NB, BIAS) + shift[None, :]
-    s3 = _key_plane_scores_t(qk, qb, raw, hraw, 3, NB, BIAS) + shift[None, :]
+        bias += 1024.0 * sb
+    zero = tl.sum(qt * kz[:, None], 0)
+    wide = _widen(raw, BIAS)
+    hwide = _widen(hraw, BIAS)
+    s0 = tl.dot(_scaled_plane(wide, 0, BIAS), qk)
+    s1 = tl.dot(_scaled_plane(wide, 1, BIAS), qk)
+    s2 = tl.dot(_scaled_plane(wide, 2, BIAS), qk)
+    s3 = tl.dot(_scaled_plane(wide, 3, BIAS), qk)
+    if NB > 0:  # the high planes last: their queries are the page's latest load
+        s0 = tl.dot(_scaled_plane(hwide, 0, BIAS), qb, s0)
+        s1 = tl.dot(_scaled_plane(hwide, 1, BIAS), qb, s1)
+        s2 = tl.dot(_scaled_plane(hwide, 2, BIAS), qb, s2)
+        s3 = tl.dot(_scaled_plane(hwide, 3, BIAS), qb, s3)
+    s0 = s0 + (zero - bias)[None, :]
+    s1 = s1 * 0.25 + (zero - 0.25 * bias)[None, :]
+    s2 = s2 * 0.0625 + (zero - 0.0625 * bias)[None, :]
+    s3 = s3 * 0.015625 + (zero - 0.015625 * bias)[None, :]
     return s0, s1, s2, s3
 
 
 @triton.jit
-def _page_values_part_t(p, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase, sVLt, sVLc, T: tl.constexpr,
-                        D: tl.constexpr, G: tl.constexpr, V4: tl.constexpr, BIAS: tl.constexpr):
-    """`_page_values_part` transposed: p [G/4, R], accumulators [D/4, R], shift [G/4, R]."""
-    G4: tl.constexpr = G // 4
-    D4: tl.constexpr = D // 4
-    t = T * G4 + tl.arange(0, G4)
-    vs = tl.load(VSC + sbase + t).to(tl.float32)
-    vz = tl.load(VZ + sbase + t).to(tl.float32)
+def _value_scaled_plane(wide, hwide, P: tl.constexpr, V4: tl.constexpr, BIAS: tl.constexpr):
+    if V4:  # 1024 + 4^P x (low + 4 high): at most 1024 + 64 x 15, still exact
+        m: tl.constexpr = 3 << (2 * P)
+        return ((wide & m) | ((hwide & m) << 2) | 0x6400).to(tl.float16, bitcast=True)
+    return _scaled_plane(wide, P, BIAS)
+
+
+@triton.jit
+def _page_values_s(p, vs, vz, a0, a1, a2, a3, zt, bt, raw, hraw, V4: tl.constexpr, BIAS: tl.constexpr):
+    """Add p [G/4, R] (probabilities of a quarter's tokens) times their values to the channel-plane
+    accumulators a0..a3 [D/4, R] (raw, hraw: the quarter's value bytes [D/4, G/4]). Accumulator P
+    gathers 4^P x the weighted codes plus 1024 x the weights: the per-token scales vs are folded
+    into the weights, and the zero terms (zt) and weights (bt) are kept as [G/4, R] tiles for the
+    end of the loop."""
     pw = (p * vs[:, None]).to(tl.float16)
-    shift += p * vz[:, None]
-    if BIAS:
-        shift -= 1024.0 * pw.to(tl.float32)
-    offs = vbase + tl.arange(0, D4)[:, None] * sVLc + t[None, :] * sVLt  # [D/4, G/4]
-    raw = tl.load(VL + offs)
-    hraw = raw
-    if V4:
-        hraw = tl.load(VH + offs)
-    a0 = tl.dot(_value_plane(raw, hraw, 0, V4, BIAS), pw, a0)
-    a1 = tl.dot(_value_plane(raw, hraw, 1, V4, BIAS), pw, a1)
-    a2 = tl.dot(_value_plane(raw, hraw, 2, V4, BIAS), pw, a2)
-    a3 = tl.dot(_value_plane(raw, hraw, 3, V4, BIAS), pw, a3)
-    return a0, a1, a2, a3, shift
+    zt += p * vz[:, None]
+    bt += pw.to(tl.float32)
+    wide = _widen(raw, BIAS)
+    hwide = _widen(hraw, BIAS)
+    a0 = tl.dot(_value_scaled_plane(wide, hwide, 0, V4, BIAS), pw, a0)
+    a1 = tl.dot(_value_scaled_plane(wide, hwide, 1, V4, BIAS), pw, a1)
+    a2 = tl.dot(_value_scaled_plane(wide, hwide, 2, V4, BIAS), pw, a2)
+    a3 = tl.dot(_value_scaled_plane(wide, hwide, 3, V4, BIAS), pw, a3)
+    return a0, a1, a2, a3, zt, bt
+
+
+@triton.jit
+def _value_scales(VSC, VZ, sbase, T: tl.constexpr, G4: tl.constexpr):
+    t = T * G4 + tl.arange(0, G4)
+    return tl.load(VSC + sbase + t).to(tl.float32), tl.load(VZ + sbase + t).to(tl.float32)
+
+
+@triton.jit
+def _pick(ids, slots, j):
+    """ids[j] of a small vector held in registers (0 past its end)."""
+    return tl.sum(tl.where(slots == j, ids, 0))
 
 
 @triton.jit
@@ -461,6 +529,8 @@ def _decode_pages_kernel(
     QG, qkeep = _query_rows(Q, sQb, sQh, b, h, REP, REP_P)
     q = _query_tile(QG, qkeep, scaling, D)
     d = tl.arange(0, D)
+    g = tl.arange(0, G4)
+    c = tl.arange(0, D4)
     n_vp = tl.load(NVP + b)
     m_i = tl.full((REP_P,), float("-inf"), tl.float32)
     l_i = tl.zeros((REP_P,), tl.float32)
@@ -481,50 +551,89 @@ def _decode_pages_kernel(
         a1 = tl.zeros((D4, REP_P), tl.float32)
         a2 = tl.zeros((D4, REP_P), tl.float32)
         a3 = tl.zeros((D4, REP_P), tl.float32)
-        # the softmax denominator and the values' zero/bias terms stay [G/4, R] tiles, rescaled with
-        # the accumulators and summed down their columns once after the loop
+        # the softmax denominator, the values' zero terms and their weights stay [G/4, R] tiles,
+        # rescaled with the accumulators and summed down their columns once after the loop
         lt = tl.zeros((G4, REP_P), tl.float32)
-        shift = tl.zeros((G4, REP_P), tl.float32)
+        zt = tl.zeros((G4, REP_P), tl.float32)
+        bt = tl.zeros((G4, REP_P), tl.float32)
         if ABLATE == 2:
             kseen = tl.zeros((G4, D), tl.int32)
             vseen = tl.zeros((D4, G), tl.int32)
+        # Small per-page loads are issued early: each page's boost index one page ahead, the boosted
+        # queries it selects and the page's value scales at the top of its iteration, so that their
+        # latency overlaps work instead of stalling it (the planes are pipelined by Triton).
+        ch = tl.zeros((NB_P,), tl.int32)
+        if NB > 0:
+            ch = _boost_index(KC, _pick(kpages, slots, 0) * sKCp + h * sKCh, NB, NB_P)
         # a fixed trip count: slots past the sequence's last page read page 0 and weigh nothing
         for i in range(PPP):
             live = first + i < n_vp
-            kpage = tl.sum(tl.where(slots == i, kpages, 0))
-            vpage = tl.sum(tl.where(slots == i, vpages, 0))
+            kpage = _pick(kpages, slots, i)
+            vpage = _pick(vpages, slots, i)
             if ABLATE == 2:  # diagnostic: the same planes, plain loads
-                kraw = tl.load(KD + kpage * sKDp + h * sKDh + tl.arange(0, G4)[:, None] * sKDg + d[None, :] * sKDd)
-                vraw = tl.load(VL + vpage * sVLp + h * sVLh + tl.arange(0, D4)[:, None] * sVLc
-                               + tl.arange(0, G)[None, :] * sVLt)
+                kraw = tl.load(KD + kpage * sKDp + h * sKDh + g[:, None] * sKDg + d[None, :] * sKDd)
+                vraw = tl.load(VL + vpage * sVLp + h * sVLh + c[:, None] * sVLc + tl.arange(0, G)[None, :] * sVLt)
                 kseen += kraw.to(tl.int32)  # element-wise: no reduction per page
                 vseen += vraw.to(tl.int32)
             else:
-                s0, s1, s2, s3 = _page_scores_t(qt, QGT, keept, scaling, KD, KH, KC, KSC, KZ,
-                                                kpage * sKDp + h * sKDh, kpage * sKHp + h * sKHh,
-                                                kpage * sKSp + h * sKSh, kpage * sKCp + h * sKCh,
-                                                sKDd, sKDg, sKHr, sKHg, D, G, NB, NB_P, BIAS)
+                qb = tl.zeros((NB_P, REP_P), tl.float16)
+                sb = tl.zeros((REP_P,), tl.float32)
+                ch_next = ch
+                if NB > 0:
+                    qb, sb = _boosted_query(QGT, keept, scaling, KSC, ch, kpage, sKSp, h * sKSh, NB, NB_P)
+                    ch_next = _boost_index(KC, _pick(kpages, slots, i + 1) * sKCp + h * sKCh, NB, NB_P)
+                vsbase = vpage * sVSp + h * sVSh
+                vs0, vz0 = _value_scales(VSC, VZ, vsbase, 0, G4)
+                vs1, vz1 = _value_scales(VSC, VZ, vsbase, 1, G4)
+                vs2, vz2 = _value_scales(VSC, VZ, vsbase, 2, G4)
+                vs3, vz3 = _value_scales(VSC, VZ, vsbase, 3, G4)
+                # this page's keys
+                sbase = kpage * sKSp + h * sKSh
+                ks = tl.load(KSC + sbase + d).to(tl.float32)
+                kz = tl.load(KZ + sbase + d).to(tl.float32)
+                raw = tl.load(KD + kpage * sKDp + h * sKDh + g[:, None] * sKDg + d[None, :] * sKDd)  # [G/4, D]
+                hraw = raw
+                if NB > 0:
+                    k = tl.arange(0, NB_P)
+                    hraw = tl.load(KH + kpage * sKHp + h * sKHh + g[:, None] * sKHg + k[None, :] * sKHr,
+                                   mask=(k < NB)[None, :], other=0)
+                s0, s1, s2, s3 = _page_scores_s(qt, qb, sb, raw, hraw, ks, kz, NB, BIAS)
                 m_i, lt, alpha, p0, p1, p2, p3 = _online_update4_t(m_i, lt, live, s0, s1, s2, s3)
                 a0 = a0 * alpha
                 a1 = a1 * alpha
                 a2 = a2 * alpha
                 a3 = a3 * alpha
-                shift = shift * alpha
-                if ABLATE == 0:
-                    vbase = vpage * sVLp + h * sVLh
-                    sbase = vpage * sVSp + h * sVSh
-                    a0, a1, a2, a3, shift = _page_values_part_t(p0, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                                sbase, sVLt, sVLc, 0, D, G, V4, BIAS)
-                    a0, a1, a2, a3, shift = _page_values_part_t(p1, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                                sbase, sVLt, sVLc, 1, D, G, V4, BIAS)
-                    a0, a1, a2, a3, shift = _page_values_part_t(p2, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                                sbase, sVLt, sVLc, 2, D, G, V4, BIAS)
-                    a0, a1, a2, a3, shift = _page_values_part_t(p3, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase,
-                                                                sbase, sVLt, sVLc, 3, D, G, V4, BIAS)
+                zt = zt * alpha
+                bt = bt * alpha
+                if ABLATE == 0:  # this page's values, a token quarter at a time: [D/4, G/4] bytes
+                    vb = vpage * sVLp + h * sVLh + c[:, None] * sVLc
+                    t = g[None, :] * sVLt
+                    vr0 = tl.load(VL + vb + t)
+                    vr1 = tl.load(VL + vb + G4 * sVLt + t)
+                    vr2 = tl.load(VL + vb + 2 * G4 * sVLt + t)
+                    vr3 = tl.load(VL + vb + 3 * G4 * sVLt + t)
+                    vh0 = vr0
+                    vh1 = vr1
+                    vh2 = vr2
+                    vh3 = vr3
+                    if V4:
+                        vh0 = tl.load(VH + vb + t)
+                        vh1 = tl.load(VH + vb + G4 * sVLt + t)
+                        vh2 = tl.load(VH + vb + 2 * G4 * sVLt + t)
+                        vh3 = tl.load(VH + vb + 3 * G4 * sVLt + t)
+                    a0, a1, a2, a3, zt, bt = _page_values_s(p0, vs0, vz0, a0, a1, a2, a3, zt, bt, vr0, vh0, V4, BIAS)
+                    a0, a1, a2, a3, zt, bt = _page_values_s(p1, vs1, vz1, a0, a1, a2, a3, zt, bt, vr1, vh1, V4, BIAS)
+                    a0, a1, a2, a3, zt, bt = _page_values_s(p2, vs2, vz2, a0, a1, a2, a3, zt, bt, vr2, vh2, V4, BIAS)
+                    a0, a1, a2, a3, zt, bt = _page_values_s(p3, vs3, vz3, a0, a1, a2, a3, zt, bt, vr3, vh3, V4, BIAS)
+                ch = ch_next
         l_i += tl.sum(lt, 0)
         if ABLATE == 2:
             l_i += (tl.sum(tl.sum(kseen, 1), 0) + tl.sum(tl.sum(vseen, 1), 0)).to(tl.float32)
-        acc = _cat4(tl.trans(a0), tl.trans(a1), tl.trans(a2), tl.trans(a3)) + tl.sum(shift, 0)[:, None]
+        # accumulator P holds 4^P x the weighted codes + 1024 x the weights
+        zs = tl.sum(zt, 0)[None, :]
+        bs = 1024.0 * tl.sum(bt, 0)[None, :]
+        acc = _cat4(tl.trans(a0 - bs + zs), tl.trans((a1 - bs) * 0.25 + zs), tl.trans((a2 - bs) * 0.0625 + zs),
+                    tl.trans((a3 - bs) * 0.015625 + zs))
     _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, NT + 1 + chunk, m_i, l_i, acc, REP, REP_P, D)
 
 
@@ -563,16 +672,19 @@ def _check(layer, query, cuda: bool):
 
 
 # page kernel register cap by query-tile rows (REP_P): 128 at 4 rows ran fastest on an H200
-# (`bench kernels --sweep`); 160 is the least that keeps the page loop of 8 rows free of spills on
-# sm_90, and 16 rows need every register (`python -m kernels.compile --q-heads 64` / `128`)
-REGISTER_CAP = {4: 128, 8: 160}
+# (`bench kernels --sweep`; it spills a few registers in the loop, which measured faster than 160 or
+# no cap); 192 is the least that keeps the page loop of 8 rows free of spills on sm_90, and 16 rows
+# need every register (`python -m kernels.compile --q-heads 64` / `128`)
+REGISTER_CAP = {4: 128, 8: 192}
 
 UNPACK = {"convert": 0, "bits": 1, "ptx": 2}  # how codes become fp16 operands (the kernels' BIAS)
 
 
 def _bias(unpack: str | None, cuda: bool) -> int:
     """`unpack`: "convert" (int -> fp16 conversions), "bits" (the 1024 + code bit pattern, per
-    element) or "ptx" (the same pattern four codes at a time; CUDA only). None: the fastest here."""
+    element) or "ptx" (the same pattern four codes at a time; CUDA only). None: the fastest here.
+    The page kernel's planes (1024 + 4^P x code) need no conversion: it builds them per element
+    unless "ptx"."""
     unpack = unpack or ("ptx" if cuda else "bits")
     if unpack not in UNPACK or (unpack == "ptx" and not cuda):
         raise ValueError(f"unpack must be one of {sorted(UNPACK)} ('ptx' on CUDA only), got {unpack!r}")
@@ -606,7 +718,7 @@ def _constants(layer, query):
 
 def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                     state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
-                    num_stages: int = 3, unpack: str | None = None, ablate: int = 0,
+                    num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
                     max_registers: int | str | None = "auto", cuda: bool | None = None):
     """The fused step as kernel launches: ([(kernel, grid, args, options), ...], output tensor).
     `cuda` (default: where the query is) picks the CUDA code paths; `kernels.compile` builds the
@@ -651,16 +763,16 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
 
 def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                      state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
-                     num_stages: int = 3, unpack: str | None = None, ablate: int = 0,
+                     num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
                      max_registers: int | str | None = "auto") -> torch.Tensor:
     """Attention of one new query token per sequence over a Kitty layer's state, fused.
 
     query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16).
     `state` is `layer.kernel_state()` (built here if not given); `workspace` keeps the partials.
     Launch settings (page kernel): two warps per program, at most 128 registers a thread (for GQA
-    groups of up to 4 heads; `REGISTER_CAP`), three pipeline stages, up to 16 pages per program: the
-    fastest of 2/4 warps, 2/3 stages, capped or not, 16/32 pages at 64x8K and 8x32K on an H200
-    (`python -m kitty_core.bench kernels --sweep`). `max_registers`: "auto", a number, or None.
+    groups of up to 4 heads; `REGISTER_CAP`), two pipeline stages, up to 16 pages per program: the
+    fastest of 2/4 warps, 2/3 stages, caps of 128/160/none, 16/32 pages at 64x8K and 8x32K on an
+    H200 (`python -m kitty_core.bench kernels --sweep`). `max_registers`: "auto", a number, or None.
     """
     launches, out = decode_launches(layer, query, scaling, workspace, state, pages_per_program, num_warps,
                                     num_stages, unpack, ablate, max_registers)

@@ -142,7 +142,7 @@ def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=
     for ppp in (16, 32):
         for warps in (2, 4):
             for stages in (2, 3):
-                for regs in (None, 128):
+                for regs in (None, 128, 160):
                     ws = {}
                     ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state, ppp, warps, stages,
                                                                     max_registers=regs)), iters=10)

@@ -383,24 +383,34 @@ def max_batch(model, kind: str, length: int, **kwargs) -> dict:
             return {"max_batch": lo, "first_fail": hi, "probes": probes}
 
 
-def timed_lengths(kind: str, prompt: int, generate: int, points: int) -> list[int]:
-    """Cache lengths at which `measure` times decode steps: evenly spread from the prompt to its end.
-    For a Kitty preset each one moves (by less than a page) to the middle of a page, so that the few
-    steps timed there never include a page being packed, whatever the preset's sink: otherwise a
-    preset whose page boundaries fall on these lengths would be timed packing every time, which a
-    real generation does once every G steps. For fp16-prealloc each moves to the start of a window
-    of its device-driven steps, so that the steps timed there replay one captured graph."""
-    lengths = [prompt + round(i * generate / max(points - 1, 1)) for i in range(points)]
+def timed_lengths(kind: str, prompt: int, generate: int, points: int, room: int = 0) -> list[int]:
+    """Cache lengths at which `measure` times decode steps: evenly spread from the prompt to `room`
+    tokens before the end of the generation (the steps taken at the last point stay inside the
+    length the max-batch probe held). For a Kitty preset each one moves (by less than a page) to the
+    middle of a page, so that the few steps timed there never include a page being packed,
+    whatever the preset's sink: otherwise a preset whose page boundaries fall on these lengths
+    would be timed packing every time, which a real generation does once every G steps. For
+    fp16-prealloc each moves to the start of a window of its device-driven steps, so that the steps
+    timed there replay one captured graph. A point moves down instead where up would pass the last
+    length, and stays where it is if neither fits."""
+    last = max(prompt, prompt + generate - room)
+    lengths = [prompt + round(i * (last - prompt) / max(points - 1, 1)) for i in range(points)]
     if kind == "fp16-prealloc":  # at the start of a window of its device-driven steps (one graph for all)
-        w, end = PreallocatedCache.WINDOW, prompt + generate
-        return [n + (-n) % w if n + (-n) % w <= end else n for n in lengths]
-    if kind in BASELINES:
+        step, offset = PreallocatedCache.WINDOW, 0
+    elif kind in BASELINES or not parse_method(kind).quantize:
         return lengths
-    c = parse_method(kind)
-    if not c.quantize:
-        return lengths
-    g = c.group_size
-    return [n + (c.sink + g // 2 - n) % g for n in lengths]
+    else:
+        c = parse_method(kind)
+        step, offset = c.group_size, c.sink + c.group_size // 2
+
+    def place(n: int) -> int:
+        up = n + (offset - n) % step
+        for m in (up, up - step):
+            if prompt <= m <= last:
+                return m
+        return n
+
+    return [place(n) for n in lengths]
 
 
 PREFILL_CHUNKS = (512, 128, 32)  # prompt tokens per prefill forward, tried in this order
@@ -433,7 +443,14 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     base = allocated()
-    cache = make_cache(kind, model, max(timed_lengths(kind, prompt, generate, points)) + steps + 3)
+    room = 2 + steps  # warm-up and timed steps after each point
+    lengths = timed_lengths(kind, prompt, generate, points, room)
+    held = prompt
+    for n in lengths:
+        held = max(held, n) + room
+    # the length the max-batch probe held (`fits`), so that a max batch that fitted there fits here
+    # (more only for generations too short to hold every point's steps)
+    cache = make_cache(kind, model, max(prompt + generate, held))
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (batch, prompt), device=device)
 
@@ -442,7 +459,6 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
             forward(model, cache, ids[:, s : s + prefill_chunk])
 
     prefill_s = _timed(prefill)
-    lengths = timed_lengths(kind, prompt, generate, points)
     step_ms, step, sync, mode = [], None, None, "eager"
     for n in lengths:
         grow = n - cache.get_seq_length()

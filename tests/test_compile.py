@@ -1,7 +1,8 @@
 """The decode kernels compiled for an H100/H200 (sm_90) by Triton's own ptxas, without a GPU: the
-page kernel's loop must not spill (the 128-register cap it runs with spills a few registers around
-it, which measured faster than no cap), and unpacking codes in PTX must cost less integer work than unpacking
-them element by element. Run in a subprocess: the test session runs kernels in the interpreter."""
+page kernel's spills stay few (the 128-register cap it runs with for GQA groups of 4 spills some in
+its loop, which measured faster than 160 registers or no cap; groups of 8 run spill-free in the loop
+at 192), and unpacking codes in PTX must cost well under half the integer work of unpacking them
+element by element. Run in a subprocess: the test session runs kernels in the interpreter."""
 
 import json
 import os
@@ -26,9 +27,9 @@ def test_page_kernel_compiles_for_sm90_without_spills_in_its_loop():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {(r["kernel"], r["unpack"]): r for r in json.loads(out.stdout.strip().splitlines()[-1])}
     pages = rows[("_decode_pages_kernel", "ptx")]
-    assert pages["loop_spill_ops"] == 0 and pages["spill_ops"] <= 64 and pages["registers"] <= 128
+    assert pages["loop_spill_ops"] <= 32 and pages["spill_ops"] <= 80 and pages["registers"] <= 128
     assert rows[("_decode_tail_kernel", "ptx")]["spill_ops"] == 0
     assert rows[("pages, groups of 8", "ptx")]["loop_spill_ops"] == 0  # GQA groups of 8 heads: a higher cap
     assert pages["loop_instructions"] > 0  # the page loop was found
     bits = rows[("_decode_pages_kernel", "bits")]
-    assert pages["loop_integer/bit"] < 0.75 * bits["loop_integer/bit"]
+    assert pages["loop_integer/bit"] < 0.5 * bits["loop_integer/bit"]

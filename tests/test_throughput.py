@@ -9,15 +9,21 @@ from kitty_core.throughput import integrate, timed_lengths
 @pytest.mark.parametrize("kind", ["kivi-k2v2", "kitty", "kitty-pro", "kitty+sink=5"])
 def test_presets_are_timed_mid_page(kind):
     c = parse_method(kind)
-    lengths = timed_lengths(kind, 512, 8192, 3)
-    assert [(n - c.sink) % c.group_size for n in lengths] == [c.group_size // 2] * 3
-    spread = [512, 512 + 4096, 512 + 8192]
-    assert all(0 <= n - m < c.group_size for n, m in zip(lengths, spread))
+    for room in (0, 5):
+        lengths = timed_lengths(kind, 512, 8192, 3, room)
+        assert [(n - c.sink) % c.group_size for n in lengths] == [c.group_size // 2] * 3
+        spread = [512, 512 + (8192 - room) // 2, 512 + 8192 - room]
+        assert all(abs(n - m) < c.group_size for n, m in zip(lengths, spread))
+        assert 512 <= min(lengths) and max(lengths) <= 512 + 8192 - room  # never past what the probe held
 
 
 def test_baselines_are_timed_where_asked():
     assert timed_lengths("fp16-prealloc", 512, 8192, 3) == [512, 4608, 8704]
+    # the steps after the last point must fit: the window before
+    assert timed_lengths("fp16-prealloc", 512, 8192, 3, room=5) == [512, 4608, 8448]
     assert timed_lengths("dynamic", 100, 10, 2) == [100, 110]
+    assert timed_lengths("dynamic", 100, 10, 2, room=5) == [100, 105]
+    assert timed_lengths("kitty-pro", 100, 10, 2, room=5) == [100, 105]  # no page middle in range: as spread
 
 
 def test_integral_holds_the_ends_and_stays_in_range():
