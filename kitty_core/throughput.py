@@ -471,6 +471,11 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
             step()  # warm-up at this length (a graph's first step at a new shape runs eagerly and captures it)
         # consecutive steps, one sync: the host runs ahead of the GPU as in a real decode loop
         step_ms.append(1e3 * _timed(lambda: [step() for _ in range(steps)]) / steps)
+    # KV bytes per token as a whole generation holds them: filled to the end (a preallocated cache's
+    # allocations do not change; one that grows, or packs, takes its last tokens)
+    rest = prompt + generate - cache.get_seq_length()
+    if rest > 0:
+        fill(cache, model, batch, rest)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     kv, view = cache_bytes(cache), cache_bytes(cache, views=True)
     tokens_held = int(cache.get_seq_length())

@@ -105,7 +105,12 @@ def test_measure_with_graphs_says_how_each_cache_decoded():
     assert how["fp16-prealloc"] == "device counters, eager"
     assert how["kitty-pro"].startswith("eager (") and "'reference' engine" in how["kitty-pro"]
     assert how["dynamic"] == "eager"
-    assert measure(model, "fp16-prealloc", 2, 40, 16, points=2)["decode"] == "eager"
+    row = measure(model, "fp16-prealloc", 2, 40, 16, points=2)
+    assert row["decode"] == "eager"
+    # KV bytes per token as the whole generation holds them: the preallocation's K and V, per layer
+    text = model.config
+    per_token = text.num_hidden_layers * 2 * text.num_key_value_heads * (text.hidden_size // text.num_attention_heads) * 4
+    assert row["kv_bytes_per_token"] == per_token  # float32 CPU model
 
 
 def test_compiled_static_cache_decodes_through_the_compiled_call():
