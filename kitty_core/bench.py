@@ -230,7 +230,7 @@ def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.
     state, rows = layer.kernel_state(), []
     read = sum(layer.nbytes().values())
     variants = [("full kernel, PTX unpack", {}), ("full kernel, per-element unpack", {"unpack": "bits"}),
-                ("full kernel, int->fp16 conversions", {"unpack": "convert"}),
+                ("full kernel, int->fp16 conversions in the tail (pages: per element)", {"unpack": "convert"}),
                 ("keys only", {"ablate": 1}), ("packed planes, plain loads", {"ablate": 2})]
     for what, kw in variants:
         ws = {}
