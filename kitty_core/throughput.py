@@ -397,10 +397,10 @@ def timed_lengths(kind: str, prompt: int, generate: int, points: int, room: int 
     lengths = [prompt + round(i * (last - prompt) / max(points - 1, 1)) for i in range(points)]
     if kind == "fp16-prealloc":  # at the start of a window of its device-driven steps (one graph for all)
         step, offset = PreallocatedCache.WINDOW, 0
-    elif kind in BASELINES or not parse_method(kind).quantize:
-        return lengths
     else:
-        c = parse_method(kind)
+        c = None if kind in BASELINES else parse_method(kind)
+        if c is None or not c.quantize:
+            return lengths
         step, offset = c.group_size, c.sink + c.group_size // 2
 
     def place(n: int) -> int:
