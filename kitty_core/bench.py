@@ -301,12 +301,12 @@ def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
 
 
 SETUP = ("model", "shape", "gpu", "dtype", "torch", "transformers", "prompt", "generate", "budget_gib", "points",
-         "decode")
+         "decode", "fused")
 
 
 def same_setup(a: dict, b: dict) -> bool:
     """Two e2e runs measured the same thing (model, GPU, versions, lengths, budget, points, decoding)."""
-    return all(a.get(k) == b.get(k) for k in SETUP)
+    return all(a.get(k, False) == b.get(k, False) for k in SETUP)  # runs from before fusion: False
 
 
 def merge_runs(earlier: dict, run: dict, command: str) -> dict:
@@ -355,10 +355,15 @@ def _setup(a):
     try:
         caches = _caches(a.caches)
         checks = [_validation(spec) for spec in filter(None, getattr(a, "validate", "").split(","))]
-        return caches, checks, load_model(a.model, device=a.device, dtype=a.dtype)
+        lm = load_model(a.model, device=a.device, dtype=a.dtype)
     except (ValueError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
+    if a.fuse:
+        from .fusion import fuse
+
+        fuse(lm.model)  # before any cache: every one decodes through the same model
+    return caches, checks, lm
 
 
 def run_e2e(a) -> int:
@@ -366,6 +371,7 @@ def run_e2e(a) -> int:
 
     import transformers
 
+    from .fusion import is_fused
     from .throughput import sweep, validate
 
     if a.merge and not a.out:
@@ -381,7 +387,8 @@ def run_e2e(a) -> int:
                 "gpu": torch.cuda.get_device_name() if lm.device.type == "cuda" else platform.processor(),
                 "dtype": str(lm.dtype).removeprefix("torch."), "torch": torch.__version__,
                 "transformers": transformers.__version__, "prompt": a.prompt, "generate": a.generate,
-                "budget_gib": a.budget_gib, "points": a.points, "decode": a.decode, "caches": caches}
+                "budget_gib": a.budget_gib, "points": a.points, "decode": a.decode, "caches": caches,
+                "fused": is_fused(lm.model)}
 
     command = "python -m kitty_core.bench " + " ".join(a.argv)
     settings["runs"] = [{"command": command, "caches": caches}]
@@ -457,6 +464,9 @@ def main(argv=None) -> int:
     e.add_argument("--validate", default="", help="CACHE:BATCH:TOKENS,... real generations to check the estimate")
     e.add_argument("--decode", choices=("graph", "eager"), default="graph",
                    help="graph: this library's caches decode from CUDA graphs on a GPU (the others eagerly)")
+    e.add_argument("--no-fuse", dest="fuse", action="store_false",
+                   help="keep transformers' RMSNorm and rotary code (default: one compiled kernel each on a GPU, for every "
+                   "cache: kitty_core.fusion)")
     e.add_argument("--out", type=Path, default=None, help="JSON file")
     e.add_argument("--merge", action="store_true", help="add to --out: this run's caches replace theirs there, "
                    "the others stay (same model and settings), and the file lists both commands")
@@ -468,6 +478,7 @@ def main(argv=None) -> int:
     f.add_argument("--batch", type=int, default=64)
     f.add_argument("--length", type=int, default=4096, help="tokens in the cache")
     f.add_argument("--decode", choices=("graph", "eager"), default="graph")
+    f.add_argument("--no-fuse", dest="fuse", action="store_false", help="keep transformers' RMSNorm and rotary code")
     w = sub.add_parser("app", help="seconds to first and later renders of every lab page in chromium")
     w.add_argument("--chromium", default="/usr/bin/chromium")
     w.add_argument("--visits", type=int, default=2)
