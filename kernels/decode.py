@@ -252,26 +252,30 @@ def _boost_index(KC, base, NB: tl.constexpr, NB_P: tl.constexpr):
 @triton.jit
 def _boosted_query(QGT, qkeep, scaling, KSC, ch, kpage, sKSp, sbase_h, NB: tl.constexpr, NB_P: tl.constexpr):
     """The queries [NB_P, R] of a page's boosted channels ch, times their key scales and 4 (the high
-    bits' weight), in fp16, and their column sums [R] (fp32)."""
+    bits' weight), in fp16."""
     listed = (tl.arange(0, NB_P) < NB)[:, None]
     qg = tl.load(QGT + ch[:, None], mask=qkeep & listed, other=0.0).to(tl.float32) * scaling
     sc = tl.load(KSC + kpage * sKSp + sbase_h + ch).to(tl.float32)
     # x 4 after the fp16 rounding, as (4 * fp16 qk) of the same channel: exact
-    qb = ((qg * sc[:, None]).to(tl.float16) * 4.0).to(tl.float16)
-    return qb, tl.sum(qb.to(tl.float32), 0)
+    return ((qg * sc[:, None]).to(tl.float16) * 4.0).to(tl.float16)
 
 
 @triton.jit
-def _page_scores_s(qt, qb, sb, raw, hraw, ks, kz, NB: tl.constexpr, BIAS: tl.constexpr):
+def _page_scores_s(qt, qb, raw, hraw, ks, kz, dead, NB: tl.constexpr, BIAS: tl.constexpr):
     """Scores [G/4, R] of the four token quarters of a key page head (dense plane raw [G/4, D], high
     plane hraw [G/4, NB_P]) for the queries qt [D, R] (fp32, pre-scaled): quarter P is code plane
     P, whose dots come out as 1024 x (sum of the operand) + 4^P x the code dot, and are scaled back
-    with one multiply-add per score. qb, sb: `_boosted_query` of the page."""
+    with one multiply-add per score. qb: `_boosted_query` of the page; dead: 0, or -inf for a slot
+    past the sequence's pages.
+    The 1024 x sums come from one more dot, of a tile of ones with the same operands: already in the
+    layout of the scores, where a sum down the channels would cross lanes and warps."""
+    G4: tl.constexpr = raw.shape[0]
     qk = (qt * ks[:, None]).to(tl.float16)
-    bias = 1024.0 * tl.sum(qk.to(tl.float32), 0)
+    bias = tl.dot(tl.full((G4, qt.shape[0]), 1.0, tl.float16), qk)
     if NB > 0:
-        bias += 1024.0 * sb
-    zero = tl.sum(qt * kz[:, None], 0)
+        bias = tl.dot(tl.full((G4, qb.shape[0]), 1.0, tl.float16), qb, bias)
+    bias = 1024.0 * bias
+    zero = (tl.sum(qt * kz[:, None], 0) + dead)[None, :]
     wide = _widen(raw, BIAS)
     hwide = _widen(hraw, BIAS)
     s0 = tl.dot(_scaled_plane(wide, 0, BIAS), qk)
@@ -283,10 +287,10 @@ def _page_scores_s(qt, qb, sb, raw, hraw, ks, kz, NB: tl.constexpr, BIAS: tl.con
         s1 = tl.dot(_scaled_plane(hwide, 1, BIAS), qb, s1)
         s2 = tl.dot(_scaled_plane(hwide, 2, BIAS), qb, s2)
         s3 = tl.dot(_scaled_plane(hwide, 3, BIAS), qb, s3)
-    s0 = s0 + (zero - bias)[None, :]
-    s1 = s1 * 0.25 + (zero - 0.25 * bias)[None, :]
-    s2 = s2 * 0.0625 + (zero - 0.0625 * bias)[None, :]
-    s3 = s3 * 0.015625 + (zero - 0.015625 * bias)[None, :]
+    s0 = (s0 - bias) + zero
+    s1 = (s1 - bias) * 0.25 + zero
+    s2 = (s2 - bias) * 0.0625 + zero
+    s3 = (s3 - bias) * 0.015625 + zero
     return s0, s1, s2, s3
 
 
@@ -330,19 +334,26 @@ def _pick(ids, slots, j):
 
 
 @triton.jit
-def _online_update4_t(m_i, lt, live, s0, s1, s2, s3):
-    """`_online_update4` on transposed tiles [G/4, R]: the max runs down the columns."""
-    s0 = tl.where(live, s0, float("-inf"))
-    s1 = tl.where(live, s1, float("-inf"))
-    s2 = tl.where(live, s2, float("-inf"))
-    s3 = tl.where(live, s3, float("-inf"))
+def _exp2(x, FTZ: tl.constexpr):
+    """2^x; FTZ (CUDA): one `ex2.approx.ftz`, where `tl.exp2` guards against results below 2^-126
+    with a compare and two multiplies (a probability that small is 0 either way)."""
+    if FTZ:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    return tl.exp2(x)
+
+
+@triton.jit
+def _online_update4_t(m_i, lt, s0, s1, s2, s3, FTZ: tl.constexpr):
+    """`_online_update4` on transposed tiles [G/4, R] of a live page (every score finite), in base 2:
+    the max runs down the columns."""
     m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)[None, :]
-    alpha = tl.exp(m_i[None, :] - m_safe)
-    p0 = tl.exp(s0 - m_safe)
-    p1 = tl.exp(s1 - m_safe)
-    p2 = tl.exp(s2 - m_safe)
-    p3 = tl.exp(s3 - m_safe)
+    alpha = _exp2(m_i - m_new, FTZ)[None, :]
+    m = m_new[None, :]
+    p0 = _exp2(s0 - m, FTZ)
+    p1 = _exp2(s1 - m, FTZ)
+    p2 = _exp2(s2 - m, FTZ)
+    p3 = _exp2(s3 - m, FTZ)
     return m_new, lt * alpha + ((p0 + p1) + (p2 + p3)), alpha, p0, p1, p2, p3
 
 
@@ -527,6 +538,9 @@ def _decode_pages_kernel(
     h = tl.program_id(0) % HKV
     chunk = tl.program_id(1)
     QG, qkeep = _query_rows(Q, sQb, sQh, b, h, REP, REP_P)
+    # scores in base 2 (the queries times log2 e): the softmax takes exp2 of them; the partial's max
+    # goes back to base e when it is stored
+    scaling = scaling * 1.4426950408889634
     q = _query_tile(QG, qkeep, scaling, D)
     d = tl.arange(0, D)
     g = tl.arange(0, G4)
@@ -565,9 +579,11 @@ def _decode_pages_kernel(
         ch = tl.zeros((NB_P,), tl.int32)
         if NB > 0:
             ch = _boost_index(KC, _pick(kpages, slots, 0) * sKCp + h * sKCh, NB, NB_P)
-        # a fixed trip count: slots past the sequence's last page read page 0 and weigh nothing
+        # a fixed trip count: slots past the sequence's last page read page 0, and their scores are
+        # -inf through the zero terms (one [R] vector, not four score tiles, is masked); the run's first
+        # slot is live, so the running max is finite by then and their weights are 0
         for i in range(PPP):
-            live = first + i < n_vp
+            dead = tl.where(first + i < n_vp, 0.0, float("-inf"))
             kpage = _pick(kpages, slots, i)
             vpage = _pick(vpages, slots, i)
             if ABLATE == 2:  # diagnostic: the same planes, plain loads
@@ -577,10 +593,9 @@ def _decode_pages_kernel(
                 vseen += vraw.to(tl.int32)
             else:
                 qb = tl.zeros((NB_P, REP_P), tl.float16)
-                sb = tl.zeros((REP_P,), tl.float32)
                 ch_next = ch
                 if NB > 0:
-                    qb, sb = _boosted_query(QGT, keept, scaling, KSC, ch, kpage, sKSp, h * sKSh, NB, NB_P)
+                    qb = _boosted_query(QGT, keept, scaling, KSC, ch, kpage, sKSp, h * sKSh, NB, NB_P)
                     ch_next = _boost_index(KC, _pick(kpages, slots, i + 1) * sKCp + h * sKCh, NB, NB_P)
                 vsbase = vpage * sVSp + h * sVSh
                 vs0, vz0 = _value_scales(VSC, VZ, vsbase, 0, G4)
@@ -597,8 +612,8 @@ def _decode_pages_kernel(
                     k = tl.arange(0, NB_P)
                     hraw = tl.load(KH + kpage * sKHp + h * sKHh + g[:, None] * sKHg + k[None, :] * sKHr,
                                    mask=(k < NB)[None, :], other=0)
-                s0, s1, s2, s3 = _page_scores_s(qt, qb, sb, raw, hraw, ks, kz, NB, BIAS)
-                m_i, lt, alpha, p0, p1, p2, p3 = _online_update4_t(m_i, lt, live, s0, s1, s2, s3)
+                s0, s1, s2, s3 = _page_scores_s(qt, qb, raw, hraw, ks, kz, dead, NB, BIAS)
+                m_i, lt, alpha, p0, p1, p2, p3 = _online_update4_t(m_i, lt, s0, s1, s2, s3, BIAS == 2)
                 a0 = a0 * alpha
                 a1 = a1 * alpha
                 a2 = a2 * alpha
@@ -634,7 +649,8 @@ def _decode_pages_kernel(
         bs = 1024.0 * tl.sum(bt, 0)[None, :]
         acc = _cat4(tl.trans(a0 - bs + zs), tl.trans((a1 - bs) * 0.25 + zs), tl.trans((a2 - bs) * 0.0625 + zs),
                     tl.trans((a3 - bs) * 0.015625 + zs))
-    _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, NT + 1 + chunk, m_i, l_i, acc, REP, REP_P, D)
+    _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, NT + 1 + chunk, m_i * 0.6931471805599453, l_i, acc,
+                   REP, REP_P, D)
 
 
 @triton.jit
