@@ -34,7 +34,10 @@ rescaling on [G/4, 4] tiles. Query tiles elsewhere are 4 rows (Triton pads the d
 It also leaves the plane's bits where they lie: bytes widened to 16 bits (two byte permutes per
 four), `(x & 3 << 2P) | 0x6400` is 1024 + 4^P x code, exact in fp16, one `lop3` for two codes
 (`_scaled_plane`); the 4^P comes out with the 1024 in the multiply-add that scales the scores and,
-for the values, once per program. And it issues each page's small loads (boost index one page
+for the values, once per program; the 1024 x sums themselves come from a dot of a tile of ones with
+the same query operands, already in the scores' layout. Its softmax runs in base 2 (the queries
+carry log2 e; one `ex2.approx.ftz` a weight), and slots past a sequence's pages are masked through
+the [R] vector of zero terms. And it issues each page's small loads (boost index one page
 ahead, the boosted queries, the value scales) before the work that precedes their use, so that
 their latency overlaps it.
 The kernels take every stride of the planes: `kitty_core.cache.PagePool` stores them with the
