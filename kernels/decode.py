@@ -268,8 +268,8 @@ def _page_scores_s(qt, qb, raw, hraw, ks, kz, dead, NB: tl.constexpr, BIAS: tl.c
     """Scores [G/4, R] of the four token quarters of a key page head (dense plane raw [G/4, D], high
     plane hraw [G/4, NB_P]) for the queries qt [D, R] (fp32, pre-scaled): quarter P is code plane
     P, whose dots come out as 1024 x (sum of the operand) + 4^P x the code dot, and are scaled back
-    with one multiply-add per score. qb: `_boosted_query` of the page; dead: 0, or -inf for a slot
-    past the sequence's pages.
+    with a subtract and a multiply-add per score. qb: `_boosted_query` of the page; dead: 0, or -inf
+    for a slot past the sequence's pages.
     The 1024 x sums come from one more dot, of a tile of ones with the same operands: already in the
     layout of the scores, where a sum down the channels would cross lanes and warps."""
     G4: tl.constexpr = raw.shape[0]
