@@ -5,7 +5,7 @@ Two implementations of one attention step (one new query token per sequence), an
 fused (`decode_attention`)  one split-KV pass (flash-decoding). Program (sequence, KV head, chunk):
     tail kernel   chunk 0: the FP16 sink; chunks 1 .. NT: page slots from the first one whose values
                   are still FP16 (the value window), keys from a packed page or the FP16 q-buffer;
-    pages kernel  chunks NT+1 ..: PPP fully packed page slots each, in a branch-free loop.
+    pages kernel  chunks NT+1 ..: up to PPP fully packed page slots each, in a loop free of branches.
     Each writes a partial softmax (max, sum, weighted values); `_combine_kernel` merges the chunks.
 unfused (`decode_attention_unfused`)  the paper's three steps: a qk kernel writes every score to
     memory, torch softmax, an sv kernel reads the probabilities back (partials summed by torch).
@@ -264,12 +264,11 @@ def _boosted_query(QGT, qkeep, scaling, KSC, ch, kpage, sKSp, sbase_h, NB: tl.co
 
 
 @triton.jit
-def _page_scores_s(qt, qb, raw, hraw, ks, kz, dead, NB: tl.constexpr, BIAS: tl.constexpr):
+def _page_scores_s(qt, qb, raw, hraw, ks, kz, NB: tl.constexpr, BIAS: tl.constexpr):
     """Scores [G/4, R] of the four token quarters of a key page head (dense plane raw [G/4, D], high
     plane hraw [G/4, NB_P]) for the queries qt [D, R] (fp32, pre-scaled): quarter P is code plane
     P, whose dots come out as 1024 x (sum of the operand) + 4^P x the code dot, and are scaled back
-    with a subtract and a multiply-add per score. qb: `_boosted_query` of the page; dead: 0, or -inf
-    for a slot past the sequence's pages.
+    with a subtract and a multiply-add per score. qb: `_boosted_query` of the page.
     The 1024 x sums come from one more dot, of a tile of ones with the same operands: already in the
     layout of the scores, where a sum down the channels would cross lanes and warps."""
     G4: tl.constexpr = raw.shape[0]
@@ -278,7 +277,7 @@ def _page_scores_s(qt, qb, raw, hraw, ks, kz, dead, NB: tl.constexpr, BIAS: tl.c
     if NB > 0:
         bias = tl.dot(tl.full((G4, qb.shape[0]), 1.0, tl.float16), qb, bias)
     bias = 1024.0 * bias
-    zero = (tl.sum(qt * kz[:, None], 0) + dead)[None, :]
+    zero = tl.sum(qt * kz[:, None], 0)[None, :]
     wide = _widen(raw, BIAS)
     hwide = _widen(hraw, BIAS)
     s0 = tl.dot(_scaled_plane(wide, 0, BIAS), qk)
@@ -380,9 +379,24 @@ def _fp16_tile(X, base, s_t, count, T: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _fp16_tile_new(X, base, s_t, count, T: tl.constexpr, D: tl.constexpr, at, row):
+    """`_fp16_tile` with its row `at` (if in the tile) taken from `row` [D]: a token written to X by
+    this program, not read back."""
+    tile = _fp16_tile(X, base, s_t, count, T, D)
+    return tl.where((tl.arange(0, T) == at)[:, None], row.to(X.dtype.element_ty).to(tl.float16)[None, :], tile)
+
+
+@triton.jit
 def _fp16_part_scores(q16, X, base, s_t, count, T: tl.constexpr, G4: tl.constexpr, D: tl.constexpr):
     """Scores [R, G/4] of FP16 keys T*G/4 .. (T+1)*G/4 - 1 of a slot (rows >= count: -inf)."""
     s = tl.dot(q16, tl.trans(_fp16_tile(X, base + T * G4 * s_t, s_t, count - T * G4, G4, D)))
+    return _mask_part(s, count, T, G4)
+
+
+@triton.jit
+def _fp16_part_scores_new(q16, X, base, s_t, count, T: tl.constexpr, G4: tl.constexpr, D: tl.constexpr, at, row):
+    """`_fp16_part_scores` with key `at` of the slot taken from `row` (`_fp16_tile_new`)."""
+    s = tl.dot(q16, tl.trans(_fp16_tile_new(X, base + T * G4 * s_t, s_t, count - T * G4, G4, D, at - T * G4, row)))
     return _mask_part(s, count, T, G4)
 
 
@@ -439,14 +453,17 @@ def _query_tile(QG, qkeep, scaling, D: tl.constexpr):
 
 
 @triton.jit
-def _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, chunk, m_i, l_i, acc,
+def _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, chunk, m_i, l_i, acc, live,
                    REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr):
+    """A chunk's partial softmax. A dead chunk (no tokens) stores only its max, -inf, which tells
+    `_combine_kernel` to skip its sum and weighted values."""
     r = tl.arange(0, REP_P)
     heads = h * REP + r
     keep = r < REP
     tl.store(M + b * sMb + heads * sMh + chunk, m_i, mask=keep)
-    tl.store(L + b * sMb + heads * sMh + chunk, l_i, mask=keep)
-    tl.store(ACC + b * sAb + heads[:, None] * sAh + chunk * sAc + tl.arange(0, D)[None, :], acc, mask=keep[:, None])
+    tl.store(L + b * sMb + heads * sMh + chunk, l_i, mask=keep & live)
+    tl.store(ACC + b * sAb + heads[:, None] * sAh + chunk * sAc + tl.arange(0, D)[None, :], acc,
+             mask=(keep & live)[:, None])
 
 
 @triton.jit
@@ -461,11 +478,16 @@ def _decode_tail_kernel(
     LENS, NKP, NVP,
     M, L, ACC, sMb, sMh, sAb, sAh, sAc,
     scaling,
+    KN, sKNb, sKNh, VN, sVNb, sVNh, W, sW,
     HKV: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr, V4: tl.constexpr,
-    PPP: tl.constexpr, NT: tl.constexpr, BIAS: tl.constexpr, ABLATE: tl.constexpr,
+    PPP: tl.constexpr, NT: tl.constexpr, BIAS: tl.constexpr, ABLATE: tl.constexpr, NEW: tl.constexpr,
 ):
-    """Chunk 0: the FP16 sink; chunk c in 1 .. NT: slot n_vp + c - 1, values from the FP16 window."""
+    """Chunk 0: the FP16 sink; chunk c in 1 .. NT: slot n_vp + c - 1, values from the FP16 window.
+    NEW: the step's token (KN, VN [B, H, D]) is counted in LENS but not yet in the buffers. The
+    program of its slot writes it into the key q-buffer and the value window at W [2, B], and takes
+    it into its tiles from registers: the same numbers as the buffers would give, with no store
+    read back within the kernel."""
     G4: tl.constexpr = G // 4
     b = tl.program_id(0) // HKV
     h = tl.program_id(0) % HKV
@@ -475,6 +497,22 @@ def _decode_tail_kernel(
     q16 = q.to(tl.float16)
     n = tl.load(LENS + b)
     n_vp = tl.load(NVP + b)
+    kn = tl.zeros((D,), tl.float16)
+    vn = kn
+    at_k = -1  # where the new key / value sits in this program's q-buffer / window slot (-1: not here)
+    at_v = -1
+    if NEW:
+        dd = tl.arange(0, D)
+        kn = tl.load(KN + b * sKNb + h * sKNh + dd)
+        vn = tl.load(VN + b * sVNb + h * sVNh + dd)
+        mine = (chunk > 0) & (n_vp + chunk - 1 == (n - 1 - S) // G)
+        w_k = tl.load(W + b)
+        w_v = tl.load(W + sW + b)
+        if mine:
+            tl.store(KB + b * sKBb + h * sKBh + w_k * sKBt + dd, kn.to(KB.dtype.element_ty))
+            tl.store(VW + b * sVWb + h * sVWh + w_v * sVWt + dd, vn.to(VW.dtype.element_ty))
+        at_k = tl.where(mine, w_k, -1)
+        at_v = tl.where(mine, w_v - (chunk - 1) * G, -1)
     m_i = tl.full((REP_P,), float("-inf"), tl.float32)
     l_i = tl.zeros((REP_P,), tl.float32)
     acc = tl.zeros((REP_P, D), tl.float32)
@@ -483,12 +521,14 @@ def _decode_tail_kernel(
         base = b * sSb + h * sSh
         s = tl.dot(q16, tl.trans(_fp16_tile(KS, base, sSt, n_sink, S_P, D)))
         s = tl.where((tl.arange(0, S_P) < n_sink)[None, :], s, float("-inf"))
+        live = n_sink > 0
         m_i, l_i, acc, p = _online_update(m_i, l_i, acc, s)
         acc += tl.dot(p.to(tl.float16), _fp16_tile(VS, base, sSt, n_sink, S_P, D))
     else:  # one slot of the tail
         c = n_vp + chunk - 1
         count = tl.minimum(n - (S + c * G), G)
-        if count > 0:
+        live = count > 0
+        if live:
             if c < tl.load(NKP + b):
                 page = tl.load(KT + b * sKT + c)
                 s0, s1, s2, s3 = _page_scores(q, QG, qkeep, scaling, KD, KH, KC, KSC, KZ, page * sKDp + h * sKDh,
@@ -500,20 +540,23 @@ def _decode_tail_kernel(
                 s3 = _mask_part(s3, count, 3, G4)
             else:
                 kb = b * sKBb + h * sKBh
-                s0 = _fp16_part_scores(q16, KB, kb, sKBt, count, 0, G4, D)
-                s1 = _fp16_part_scores(q16, KB, kb, sKBt, count, 1, G4, D)
-                s2 = _fp16_part_scores(q16, KB, kb, sKBt, count, 2, G4, D)
-                s3 = _fp16_part_scores(q16, KB, kb, sKBt, count, 3, G4, D)
+                s0 = _fp16_part_scores_new(q16, KB, kb, sKBt, count, 0, G4, D, at_k, kn)
+                s1 = _fp16_part_scores_new(q16, KB, kb, sKBt, count, 1, G4, D, at_k, kn)
+                s2 = _fp16_part_scores_new(q16, KB, kb, sKBt, count, 2, G4, D, at_k, kn)
+                s3 = _fp16_part_scores_new(q16, KB, kb, sKBt, count, 3, G4, D, at_k, kn)
             m_i, lt, alpha, p0, p1, p2, p3 = _online_update4(m_i, tl.zeros((REP_P, G4), tl.float32), True,
                                                               s0, s1, s2, s3)
             l_i = tl.sum(lt, 1)
             vw = b * sVWb + h * sVWh + (chunk - 1) * G * sVWt
             acc = acc * alpha
-            acc = tl.dot(p0.to(tl.float16), _fp16_tile(VW, vw, sVWt, count, G4, D), acc)
-            acc = tl.dot(p1.to(tl.float16), _fp16_tile(VW, vw + G4 * sVWt, sVWt, count - G4, G4, D), acc)
-            acc = tl.dot(p2.to(tl.float16), _fp16_tile(VW, vw + 2 * G4 * sVWt, sVWt, count - 2 * G4, G4, D), acc)
-            acc = tl.dot(p3.to(tl.float16), _fp16_tile(VW, vw + 3 * G4 * sVWt, sVWt, count - 3 * G4, G4, D), acc)
-    _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, chunk, m_i, l_i, acc, REP, REP_P, D)
+            acc = tl.dot(p0.to(tl.float16), _fp16_tile_new(VW, vw, sVWt, count, G4, D, at_v, vn), acc)
+            acc = tl.dot(p1.to(tl.float16), _fp16_tile_new(VW, vw + G4 * sVWt, sVWt, count - G4, G4, D, at_v - G4, vn),
+                         acc)
+            acc = tl.dot(p2.to(tl.float16), _fp16_tile_new(VW, vw + 2 * G4 * sVWt, sVWt, count - 2 * G4, G4, D,
+                                                           at_v - 2 * G4, vn), acc)
+            acc = tl.dot(p3.to(tl.float16), _fp16_tile_new(VW, vw + 3 * G4 * sVWt, sVWt, count - 3 * G4, G4, D,
+                                                           at_v - 3 * G4, vn), acc)
+    _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, chunk, m_i, l_i, acc, live, REP, REP_P, D)
 
 
 @triton.jit
@@ -582,11 +625,9 @@ def _decode_pages_kernel(
         ch = tl.zeros((NB_P,), tl.int32)
         if NB > 0:
             ch = _boost_index(KC, _pick(kpages, slots, 0) * sKCp + h * sKCh, NB, NB_P)
-        # a fixed trip count: slots past the sequence's last page read page 0, and their scores are
-        # -inf through the zero terms (one [R] vector, not four score tiles, is masked); the run's first
-        # slot is live, so the running max is finite by then and their weights are 0
-        for i in range(PPP):
-            dead = tl.where(first + i < n_vp, 0.0, float("-inf"))
+        # as many iterations as the run has live slots: a grid that spans the cache's capacity (one
+        # CUDA graph for every length) then costs a short sequence only its dead programs' exits
+        for i in range(0, tl.minimum(n_vp - first, PPP)):
             kpage = _pick(kpages, slots, i)
             vpage = _pick(vpages, slots, i)
             if ABLATE == 2:  # diagnostic: the same planes, plain loads
@@ -615,7 +656,7 @@ def _decode_pages_kernel(
                     k = tl.arange(0, NB_P)
                     hraw = tl.load(KH + kpage * sKHp + h * sKHh + g[:, None] * sKHg + k[None, :] * sKHr,
                                    mask=(k < NB)[None, :], other=0)
-                s0, s1, s2, s3 = _page_scores_s(qt, qb, raw, hraw, ks, kz, dead, NB, BIAS)
+                s0, s1, s2, s3 = _page_scores_s(qt, qb, raw, hraw, ks, kz, NB, BIAS)
                 m_i, lt, alpha, p0, p1, p2, p3 = _online_update4_t(m_i, lt, s0, s1, s2, s3, BIAS == 2)
                 a0 = a0 * alpha
                 a1 = a1 * alpha
@@ -653,7 +694,7 @@ def _decode_pages_kernel(
         acc = _cat4(tl.trans(a0 - bs + zs), tl.trans((a1 - bs) * 0.25 + zs), tl.trans((a2 - bs) * 0.0625 + zs),
                     tl.trans((a3 - bs) * 0.015625 + zs))
     _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, NT + 1 + chunk, m_i * 0.6931471805599453, l_i, acc,
-                   REP, REP_P, D)
+                   first < n_vp, REP, REP_P, D)
 
 
 @triton.jit
@@ -666,12 +707,11 @@ def _combine_kernel(M, L, ACC, O, sMb, sMh, sAb, sAh, sAc, sOb, sOh, C,
     hq = pid % HQ
     c = tl.arange(0, C_P)
     d = tl.arange(0, D)
-    ok = c < C
-    m = tl.load(M + b * sMb + hq * sMh + c, mask=ok, other=float("-inf"))
+    m = tl.load(M + b * sMb + hq * sMh + c, mask=c < C, other=float("-inf"))
+    ok = m > float("-inf")  # dead chunks (past a sequence's tokens) stored only their max
     l = tl.load(L + b * sMb + hq * sMh + c, mask=ok, other=0.0)
     acc = tl.load(ACC + b * sAb + hq * sAh + c[:, None] * sAc + d[None, :], mask=ok[:, None], other=0.0)
-    top = tl.max(m, 0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
+    w = tl.where(ok, tl.exp(m - tl.max(m, 0)), 0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
     tl.store(O + b * sOb + hq * sOh + d, o.to(O.dtype.element_ty))
 
@@ -738,10 +778,10 @@ def _constants(layer, query):
 def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                     state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
                     num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
-                    max_registers: int | str | None = "auto", cuda: bool | None = None):
+                    max_registers: int | str | None = "auto", cuda: bool | None = None, new: tuple | None = None):
     """The fused step as kernel launches: ([(kernel, grid, args, options), ...], output tensor).
     `cuda` (default: where the query is) picks the CUDA code paths; `kernels.compile` builds the
-    launches for a CUDA target on a machine without a GPU."""
+    launches for a CUDA target on a machine without a GPU. `new`: see `decode_attention`."""
     cuda = query.is_cuda if cuda is None else cuda
     _check(layer, query, cuda)
     st = state if state is not None else layer.kernel_state()
@@ -771,8 +811,16 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
     if max_registers and cuda:
         pages["maxnreg"] = max_registers
     out = torch.empty((b, hq, 1, d), device=q.device, dtype=query.dtype)
+    if new is None:
+        kn = vn = q  # not read
+        write = st["lens"][None]
+    else:
+        kn, vn, write = _new_token(layer, new, b)
+    fresh = (kn, kn.stride(0), kn.stride(1), vn, vn.stride(0), vn.stride(1), write, write.stride(0))
     return [
-        (_decode_tail_kernel, (b * layer.heads, 1 + nt), args, dict(consts, PPP=1, ABLATE=0)),  # neither is read
+        # PPP and ABLATE are not read by the tail kernel
+        (_decode_tail_kernel, (b * layer.heads, 1 + nt), args + fresh,
+         dict(consts, PPP=1, ABLATE=0, NEW=int(new is not None))),
         (_decode_pages_kernel, (b * layer.heads, n_chunks - 1 - nt), args, pages),
         (_combine_kernel, (b * hq,), (m, l, acc, out, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1),
                                       acc.stride(2), out.stride(0), out.stride(1), n_chunks),
@@ -780,13 +828,28 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
     ], out
 
 
+def _new_token(layer, new: tuple, batch: int):
+    """(keys [B, H, D], values [B, H, D], write positions [2, B]) of a step's token, checked."""
+    k, v, write = new
+    want = (batch, layer.heads, 1, layer.head_dim)
+    if tuple(k.shape) != want or tuple(v.shape) != want or tuple(write.shape) != (2, batch):
+        raise ValueError(f"new=(keys, values, positions) must be {want}, {want} and (2, {batch}); got "
+                         f"{tuple(k.shape)}, {tuple(v.shape)} and {tuple(write.shape)}")
+    k, v = k[:, :, 0], v[:, :, 0]
+    return (k if k.stride(-1) == 1 else k.contiguous()), (v if v.stride(-1) == 1 else v.contiguous()), write
+
+
 def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                      state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
                      num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
-                     max_registers: int | str | None = "auto") -> torch.Tensor:
+                     max_registers: int | str | None = "auto", new: tuple | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over a Kitty layer's state, fused.
 
-    query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16).
+    query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16), unless
+    `new` = (keys [B, H, 1, D], values [B, H, 1, D], positions [2, B]) brings it: the layer's counts
+    include it, and the tail kernel writes it into the key q-buffer and the value window at those
+    positions as it attends (a step from device counters: `KittyLayer.steps.write`), which spares
+    the step two indexed copies.
     `state` is `layer.kernel_state()` (built here if not given); `workspace` keeps the partials.
     Launch settings (page kernel): two warps per program, at most 128 registers a thread (for GQA
     groups of up to 4 heads; `REGISTER_CAP`), two pipeline stages, up to 16 pages per program: the
@@ -794,7 +857,7 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     H200 (`python -m kitty_core.bench kernels --sweep`). `max_registers`: "auto", a number, or None.
     """
     launches, out = decode_launches(layer, query, scaling, workspace, state, pages_per_program, num_warps,
-                                    num_stages, unpack, ablate, max_registers)
+                                    num_stages, unpack, ablate, max_registers, new=new)
     for kernel, grid, args, options in launches:
         kernel[grid](*args, **options)
     return out

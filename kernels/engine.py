@@ -63,12 +63,13 @@ class TritonEngine(ReferenceEngine):
                 layer.drop_dense_view()
             return out
         device_step = layer.steps is not None  # a step from device counters (graphs.py): the host packs later
-        if device_step:
-            layer.write_token(key_new, value_new)
+        new = None
+        if device_step:  # the kernels write the token, at the counters' positions
+            new = (key_new, value_new, layer.steps.write)
         else:
             layer.insert(key_new, value_new, pack=False)
         ws = self.workspaces.setdefault(layer.layer_idx, {})
-        out = decode_attention(layer, query, scaling if scaling is not None else query.shape[-1] ** -0.5, ws)
+        out = decode_attention(layer, query, scaling if scaling is not None else query.shape[-1] ** -0.5, ws, new=new)
         if not device_step:
             layer.pack_full()
         return out.transpose(1, 2), None  # transformers expects [B, t, Hq, D]

@@ -381,15 +381,10 @@ class KittyLayer(CacheLayerMixin):
         self.steps = counters
         self._tables = None  # rebuilt at the width the steps need (the capacity's, then refreshed in place)
 
-    def write_token(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """A device-driven step's token k, v [B, H, 1, D] into the key q-buffer and the value window,
-        at the counters' positions; the host's record follows in `advance_host`."""
-        w, rows = self.steps.write, self.steps.rows
-        self.k_buffer.buf[rows, :, w[0]] = k[:, :, 0]
-        self.v_window.buf[rows, :, w[1]] = v[:, :, 0]
-
     def advance_host(self) -> bool:
-        """The host's record of a token `write_token` stored; packs what became full. True if it packed."""
+        """The host's record of a token a device-driven step wrote into the key q-buffer and the value
+        window (the Triton engine's kernels do, at the counters' positions); packs what became full.
+        True if it packed."""
         c = self.config
         self.seen += 1
         self.k_buffer.lens = [n + 1 for n in self.k_buffer.lens]

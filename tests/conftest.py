@@ -16,6 +16,8 @@ if not torch.cuda.is_available():  # Triton kernels run in its interpreter; must
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    # Triton's interpreter takes a loop bound loaded from memory with int() of a 1-element array
+    config.addinivalue_line("filterwarnings", "ignore:Conversion of an array with ndim > 0 to a scalar")
 
 
 def pytest_collection_modifyitems(config, items):
