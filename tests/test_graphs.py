@@ -62,8 +62,8 @@ def test_kitty_steps_from_device_counters_match_eager_steps_across_page_packs():
     steps = 14
     got, want, ours, decoder, ref = _pair(lambda: KittyCache(model, SMALL_KITTY, engine="triton", max_length=PROMPT + steps + 1),
                                  model, ids, steps)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    for g, w in zip(got, want):  # the kernels write the token and take it into their tiles: same numbers
+        assert torch.equal(g, w)
     a, b = ours.layers[0], ref.layers[0]
     assert (a.seen, a.k_buffer.lens, a.v_window.lens) == (b.seen, b.k_buffer.lens, b.v_window.lens)
     assert a.k_pages.table == b.k_pages.table and len(a.k_pages.table[0]) == 3  # two packed in the prompt, one here
