@@ -5,8 +5,11 @@ Two implementations of one attention step (one new query token per sequence), an
 fused (`decode_attention`)  one split-KV pass (flash-decoding). Program (sequence, KV head, chunk):
     tail kernel   chunk 0: the FP16 sink; chunks 1 .. NT: page slots from the first one whose values
                   are still FP16 (the value window), keys from a packed page or the FP16 q-buffer;
-    pages kernel  chunks NT+1 ..: up to PPP fully packed page slots each, in a loop free of branches.
+    pages kernel  chunks NT+1 ..: up to PPP fully packed page slots each, in a loop over the live
+                  ones, free of branches (a chunk past a sequence's pages exits at once).
     Each writes a partial softmax (max, sum, weighted values); `_combine_kernel` merges the chunks.
+    A step from device counters may hand its token to the tail kernel (`new=`), which writes it into
+    the FP16 buffers as it attends to it.
 unfused (`decode_attention_unfused`)  the paper's three steps: a qk kernel writes every score to
     memory, torch softmax, an sv kernel reads the probabilities back (partials summed by torch).
 `dequantize_pages`  pages -> float32 tokens (inspection and tests).
