@@ -710,12 +710,14 @@ def _combine_kernel(M, L, ACC, O, sMb, sMh, sAb, sAh, sAc, sOb, sOh, C,
     hq = pid % HQ
     c = tl.arange(0, C_P)
     d = tl.arange(0, D)
+    # the three loads are issued together; dead chunks (past a sequence's tokens) stored only their
+    # max, so their sums and weighted values are whatever the workspace held, and are selected away
     m = tl.load(M + b * sMb + hq * sMh + c, mask=c < C, other=float("-inf"))
-    ok = m > float("-inf")  # dead chunks (past a sequence's tokens) stored only their max
-    l = tl.load(L + b * sMb + hq * sMh + c, mask=ok, other=0.0)
-    acc = tl.load(ACC + b * sAb + hq * sAh + c[:, None] * sAc + d[None, :], mask=ok[:, None], other=0.0)
+    l = tl.load(L + b * sMb + hq * sMh + c, mask=c < C, other=0.0)
+    acc = tl.load(ACC + b * sAb + hq * sAh + c[:, None] * sAc + d[None, :], mask=(c < C)[:, None], other=0.0)
+    ok = m > float("-inf")
     w = tl.where(ok, tl.exp(m - tl.max(m, 0)), 0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    o = tl.sum(tl.where(ok[:, None], acc, 0.0) * w[:, None], 0) / tl.sum(tl.where(ok, l, 0.0) * w, 0)
     tl.store(O + b * sOb + hq * sOh + d, o.to(O.dtype.element_ty))
 
 
@@ -733,11 +735,40 @@ def _check(layer, query, cuda: bool):
         raise ValueError(f"at most 64 query heads per KV head, got {rep}")
 
 
-# page kernel register cap by query-tile rows (REP_P): 128 at 4 rows ran fastest on an H200
-# (`bench kernels --sweep`; it spills a few registers in the loop, which measured faster than 160 or
-# no cap); 192 is the least that keeps the page loop of 8 rows free of spills on sm_90, and 16 rows
-# need every register (`python -m kernels.compile --q-heads 64` / `128`)
+# page kernel register cap by query-tile rows (REP_P) for a grid of few waves: 128 at 4 rows ran
+# fastest on an H200 (`bench kernels --sweep`; it spills a few registers in the loop, which measured
+# faster than 160 or no cap); 192 is the least that keeps the page loop of 8 rows free of spills on
+# sm_90, and 16 rows need every register (`python -m kernels.compile --q-heads 64` / `128`)
 REGISTER_CAP = {4: 128, 8: 192}
+# ... and for a deep grid (at least DEEP_WAVES waves of programs at DEEP's occupancy): a third pipeline stage (two pages in
+# flight) and the 168 registers that keep that loop free of spills, at 6 programs an SM instead of 8.
+# On an H200 this ran 4-7% faster at 64 x 8K, 128 x 8K and 489 x 1K-4.7K tokens, and 3-10% slower on
+# grids of one or two waves (8 x 32K)
+DEEP = {4: (3, 168)}
+DEEP_WAVES = 2.5
+
+
+def _sm_count(device) -> int:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H100/H200, for compiling without a GPU
+
+
+def launch_plan(pairs: int, slots: int, rep_p: int, sms: int) -> tuple[int, int, int | None]:
+    """(pages per program, pipeline stages, register cap) of the page kernel for `pairs` (sequence,
+    KV head) runs of up to `slots` packed pages each, on `sms` SMs. Deep grids take DEEP's settings
+    and as many pages per program (up to 32) as still leave DEEP_WAVES waves of programs: fewer
+    partials to write and combine. Other grids keep two stages and REGISTER_CAP, with up to 16 pages
+    a program and about 4 programs an SM."""
+    if rep_p in DEEP:
+        stages, cap = DEEP[rep_p]
+        resident = sms * (65536 // (64 * cap))  # programs of two warps an SM's registers hold
+        for ppp in (32, 16):
+            if pairs * -(-slots // ppp) >= DEEP_WAVES * resident:
+                return ppp, stages, cap
+    ppp = 1 << (max(1, min(16, pairs * slots // (4 * sms))).bit_length() - 1)
+    return ppp, 2, REGISTER_CAP.get(rep_p)
+
 
 UNPACK = {"convert": 0, "bits": 1, "ptx": 2}  # how codes become fp16 operands (the kernels' BIAS)
 
@@ -780,7 +811,7 @@ def _constants(layer, query):
 
 def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                     state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
-                    num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
+                    num_stages: int | None = None, unpack: str | None = None, ablate: int = 0,
                     max_registers: int | str | None = "auto", cuda: bool | None = None, new: tuple | None = None):
     """The fused step as kernel launches: ([(kernel, grid, args, options), ...], output tensor).
     `cuda` (default: where the query is) picks the CUDA code paths; `kernels.compile` builds the
@@ -790,8 +821,9 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
     st = state if state is not None else layer.kernel_state()
     b, hq, _, d = query.shape
     slots, nt = st["max_slots"], _tail_slots(layer.config)
-    # enough programs to fill the GPU (about 4 per SM of an H200), as few partials as that allows
-    ppp = pages_per_program or 1 << (max(1, min(16, b * layer.heads * slots // 528)).bit_length() - 1)
+    rep_p = max(4, triton.next_power_of_2(hq // layer.heads))
+    plan = launch_plan(b * layer.heads, slots, rep_p, _sm_count(query.device) if cuda else 132)
+    ppp = pages_per_program or plan[0]
     if ppp & (ppp - 1):
         raise ValueError(f"pages_per_program must be a power of two, got {ppp}")
     n_chunks = 1 + nt + -(-slots // ppp)
@@ -808,9 +840,9 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
     consts = dict(**_constants(layer, query), PPP=ppp, NT=nt, BIAS=_bias(unpack, cuda), ABLATE=ablate)
     # two launches: the FP16 sink and tail would otherwise size every page program's registers and
     # shared memory, and so how many of them an SM holds
-    pages = dict(consts, num_warps=num_warps, num_stages=num_stages)
+    pages = dict(consts, num_warps=num_warps, num_stages=num_stages or plan[1])
     if max_registers == "auto":
-        max_registers = REGISTER_CAP.get(consts["REP_P"])
+        max_registers = plan[2]
     if max_registers and cuda:
         pages["maxnreg"] = max_registers
     out = torch.empty((b, hq, 1, d), device=q.device, dtype=query.dtype)
@@ -844,7 +876,7 @@ def _new_token(layer, new: tuple, batch: int):
 
 def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                      state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
-                     num_stages: int = 2, unpack: str | None = None, ablate: int = 0,
+                     num_stages: int | None = None, unpack: str | None = None, ablate: int = 0,
                      max_registers: int | str | None = "auto", new: tuple | None = None) -> torch.Tensor:
     """Attention of one new query token per sequence over a Kitty layer's state, fused.
 
@@ -854,10 +886,12 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     positions as it attends (a step from device counters: `KittyLayer.steps.write`), which spares
     the step two indexed copies.
     `state` is `layer.kernel_state()` (built here if not given); `workspace` keeps the partials.
-    Launch settings (page kernel): two warps per program, at most 128 registers a thread (for GQA
-    groups of up to 4 heads; `REGISTER_CAP`), two pipeline stages, up to 16 pages per program: the
-    fastest of 2/4 warps, 2/3 stages, caps of 128/160/none, 16/32 pages at 64x8K and 8x32K on an
-    H200 (`python -m kitty_core.bench kernels --sweep`). `max_registers`: "auto", a number, or None.
+    Launch settings (page kernel): two warps per program (faster than one or four on an H200);
+    pages per program, pipeline stages and the register cap from `launch_plan` unless given: for
+    GQA groups of 4, deep grids (batch x KV heads x page slots of at least 2.5 waves of programs)
+    run three stages at 168 registers and up to 32 pages a program, others two stages at 128 and
+    up to 16 (`python -m kitty_core.bench kernels --sweep`). `max_registers`: "auto", a number, or
+    None.
     """
     launches, out = decode_launches(layer, query, scaling, workspace, state, pages_per_program, num_warps,
                                     num_stages, unpack, ablate, max_registers, new=new)

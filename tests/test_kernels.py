@@ -98,6 +98,35 @@ def test_a_token_the_kernels_write_gives_the_output_of_one_inserted_before_them(
         decode_attention(before, q, 0.25, state=state, new=(k, v, write[:1]))
 
 
+def test_chunks_past_a_sequence_are_ignored_whatever_the_workspace_holds():
+    """A grid sized for more page slots than the sequences hold (a CUDA graph's) has chunks that
+    store only their max; the combining kernel must not read their sums or values, which here are
+    NaN left in a reused workspace."""
+    from kernels.decode import decode_attention
+
+    layer = _layer("kitty-pro" + SMALL, [SINK + 2, SINK + 3 * GROUP + 5], seed=4)
+    q = torch.randn(2, 4, 1, DIM, device=DEVICE)
+    want = decode_attention(layer, q, 0.25, pages_per_program=1)
+    state = dict(layer.kernel_state(), max_slots=layer.kernel_state()["max_slots"] + 3)
+    ws = {}
+    decode_attention(layer, q, 0.25, ws, state, pages_per_program=1)
+    for part in ("m", "l", "acc"):
+        ws[part].fill_(float("nan"))
+    got = decode_attention(layer, q, 0.25, ws, state, pages_per_program=1)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_launch_plan_takes_deep_settings_only_for_grids_of_several_waves():
+    from kernels.decode import DEEP, REGISTER_CAP, launch_plan
+
+    stages, cap = DEEP[4]
+    assert launch_plan(64 * 8, 68, 4, 132) == (16, stages, cap)  # 64 x 8K: 32 pages leave under 2.5 waves
+    assert launch_plan(489 * 8, 41, 4, 132) == (32, stages, cap)
+    assert launch_plan(8 * 8, 260, 4, 132) == (16, 2, REGISTER_CAP[4])  # 8 x 32K: one wave
+    assert launch_plan(8, 1024, 4, 132) == (8, 2, REGISTER_CAP[4])
+    assert launch_plan(489 * 8, 41, 8, 132) == (16, 2, REGISTER_CAP[8])  # groups of 8: no deep settings
+
+
 def test_boost_rates_0_to_100_percent():
     from kernels.decode import decode_attention, decode_attention_reference, decode_attention_unfused
 
