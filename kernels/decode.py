@@ -52,6 +52,8 @@ bytes at once from shared memory. `python -m kernels.compile` shows what ptxas m
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -740,15 +742,17 @@ def _check(layer, query, cuda: bool):
 # faster than 160 or no cap); 192 is the least that keeps the page loop of 8 rows free of spills on
 # sm_90, and 16 rows need every register (`python -m kernels.compile --q-heads 64` / `128`)
 REGISTER_CAP = {4: 128, 8: 192}
-# ... and for a deep grid (at least DEEP_WAVES waves of programs at DEEP's occupancy): a third pipeline stage (two pages in
-# flight) and the 168 registers that keep that loop free of spills, at 6 programs an SM instead of 8.
-# On an H200 this ran 4-7% faster at 64 x 8K, 128 x 8K and 489 x 1K-4.7K tokens, and 3-10% slower on
-# grids of one or two waves (8 x 32K)
+# ... and for a deep grid (at least DEEP_WAVES waves of programs at DEEP's occupancy): a third
+# pipeline stage (two pages in flight) and the 168 registers that keep that loop free of spills, at
+# 6 programs an SM instead of 8. On an H200 the fused step ran 1.03-1.06x faster so at batch 489
+# (0.6K-8.4K tokens) and 1.005-1.03x at 64 x 8K, and 3-10% slower on grids of one or two waves
+# (8 x 32K)
 DEEP = {4: (3, 168)}
 DEEP_WAVES = 2.5
 
 
-def _sm_count(device) -> int:
+@functools.lru_cache
+def _sm_count(device: torch.device) -> int:
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132  # an H100/H200, for compiling without a GPU
@@ -821,8 +825,8 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
     st = state if state is not None else layer.kernel_state()
     b, hq, _, d = query.shape
     slots, nt = st["max_slots"], _tail_slots(layer.config)
-    rep_p = max(4, triton.next_power_of_2(hq // layer.heads))
-    plan = launch_plan(b * layer.heads, slots, rep_p, _sm_count(query.device) if cuda else 132)
+    shape = _constants(layer, query)
+    plan = launch_plan(b * layer.heads, slots, shape["REP_P"], _sm_count(query.device) if cuda else 132)
     ppp = pages_per_program or plan[0]
     if ppp & (ppp - 1):
         raise ValueError(f"pages_per_program must be a power of two, got {ppp}")
@@ -837,7 +841,7 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
     m, l, acc = ws["m"], ws["l"], ws["acc"]
     args = (q, q.stride(0), q.stride(1), *_kernel_args(layer, st),
             m, l, acc, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), scaling)
-    consts = dict(**_constants(layer, query), PPP=ppp, NT=nt, BIAS=_bias(unpack, cuda), ABLATE=ablate)
+    consts = dict(**shape, PPP=ppp, NT=nt, BIAS=_bias(unpack, cuda), ABLATE=ablate)
     # two launches: the FP16 sink and tail would otherwise size every page program's registers and
     # shared memory, and so how many of them an SM holds
     pages = dict(consts, num_warps=num_warps, num_stages=num_stages or plan[1])
