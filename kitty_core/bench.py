@@ -83,12 +83,14 @@ def launch_defaults() -> dict:
     """The fused kernel's launch settings a default call uses (recorded beside its timings)."""
     import inspect
 
-    from kernels.decode import DEEP, DEEP_WAVES, REGISTER_CAP, decode_attention
+    from kernels.decode import DEEP, DEEP_WAVES, REGISTER_CAP, combine_warps, decode_attention
 
     params = inspect.signature(decode_attention).parameters
     return {"num_warps": params["num_warps"].default, "num_stages": 2, "register_cap_by_query_rows": REGISTER_CAP,
             "pages_per_program": "up to 16, by occupancy",
-            "deep_grids": {"min_waves": DEEP_WAVES, "stages_and_cap_by_query_rows": DEEP, "pages_per_program": "up to 32"}}
+            "deep_grids": {"min_waves": DEEP_WAVES, "stages_and_cap_by_query_rows": DEEP, "pages_per_program": "up to 32"},
+            "tail_kernel": "on a second stream, beside the page kernel",
+            "combine_warps_by_partials": {c: combine_warps(c) for c in (8, 16, 32, 64)}}
 
 
 def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
