@@ -908,8 +908,8 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     run three stages at 168 registers and up to 32 pages a program, others two stages at 128 and
     up to 16 (`python -m kitty_core.bench kernels --sweep`). `max_registers`: "auto", a number, or
     None. On a GPU the tail kernel runs on a second stream, concurrently with the page kernel, and
-    the combine waits for both: on an H200 the step ran 1.12x faster so at batch 64 and 8K tokens
-    and 1.06x at batch 489, with the one-warp combine.
+    the combine waits for both: on an H200 (graph replays of one layer's step) that and the one-warp
+    combine made the step 1.12x faster at batch 64 and 8K tokens and 1.05-1.15x at batch 489.
     """
     (tail, pages, combine), out = decode_launches(layer, query, scaling, workspace, state, pages_per_program,
                                                   num_warps, num_stages, unpack, ablate, max_registers, new=new)
