@@ -377,19 +377,36 @@ def _cat4(a0, a1, a2, a3):
 
 
 @triton.jit
-def _fp16_tile(X, base, s_t, count, T: tl.constexpr, D: tl.constexpr):
-    """FP16 tokens [T, D] from base (token stride s_t), rows >= count zero."""
-    t = tl.arange(0, T)
-    d = tl.arange(0, D)
-    return tl.load(X + base + t[:, None] * s_t + d[None, :], mask=(t < count)[:, None], other=0.0).to(tl.float16)
+def _operand(x, X):
+    """x as a tensor-core operand beside tiles of the FP16 buffer X (the model's dtype): bf16 where X
+    holds bf16, so that its tiles enter the dots as stored; fp16 otherwise."""
+    BF16: tl.constexpr = X.dtype.element_ty == tl.bfloat16
+    return x.to(tl.bfloat16) if BF16 else x.to(tl.float16)
 
 
 @triton.jit
-def _fp16_tile_new(X, base, s_t, count, T: tl.constexpr, D: tl.constexpr, at, row):
-    """`_fp16_tile` with its row `at` (if in the tile) taken from `row` [D]: a token written to X by
-    this program, not read back."""
-    tile = _fp16_tile(X, base, s_t, count, T, D)
-    return tl.where((tl.arange(0, T) == at)[:, None], row.to(X.dtype.element_ty).to(tl.float16)[None, :], tile)
+def _kv_tile(X, base, s_t, count, T: tl.constexpr, D: tl.constexpr):
+    """Tokens [T, D] of an FP16 buffer from base (token stride s_t), rows >= count zero, as a dot
+    operand (`_operand`)."""
+    t = tl.arange(0, T)
+    d = tl.arange(0, D)
+    return _operand(tl.load(X + base + t[:, None] * s_t + d[None, :], mask=(t < count)[:, None], other=0.0), X)
+
+
+@triton.jit
+def _fp16_tile(X, base, s_t, count, T: tl.constexpr, D: tl.constexpr):
+    """`_kv_tile` in fp16 (the unfused kernels' operands)."""
+    return _kv_tile(X, base, s_t, count, T, D).to(tl.float16)
+
+
+@triton.jit
+def _kv_tile_new(X, base, s_t, count, T: tl.constexpr, D: tl.constexpr, at, row):
+    """`_kv_tile` with its row `at` taken from `row` [D]: a token written to X by this program, not
+    read back. Only the tile that holds it pays for the select."""
+    tile = _kv_tile(X, base, s_t, count, T, D)
+    if (at >= 0) & (at < T):
+        tile = tl.where((tl.arange(0, T) == at)[:, None], _operand(row.to(X.dtype.element_ty), X)[None, :], tile)
+    return tile
 
 
 @triton.jit
@@ -400,10 +417,12 @@ def _fp16_part_scores(q16, X, base, s_t, count, T: tl.constexpr, G4: tl.constexp
 
 
 @triton.jit
-def _fp16_part_scores_new(q16, X, base, s_t, count, T: tl.constexpr, G4: tl.constexpr, D: tl.constexpr, at, row):
-    """`_fp16_part_scores` with key `at` of the slot taken from `row` (`_fp16_tile_new`)."""
-    s = tl.dot(q16, tl.trans(_fp16_tile_new(X, base + T * G4 * s_t, s_t, count - T * G4, G4, D, at - T * G4, row)))
-    return _mask_part(s, count, T, G4)
+def _kv_part_scores_new(qn, scaling, X, base, s_t, count, T: tl.constexpr, G4: tl.constexpr, D: tl.constexpr, at,
+                        row):
+    """Scores [R, G/4] of FP16 keys T*G/4 .. (T+1)*G/4 - 1 of a slot (rows >= count: -inf) for the
+    unscaled queries qn (`_operand`), key `at` of the slot taken from `row` (`_kv_tile_new`)."""
+    s = tl.dot(qn, tl.trans(_kv_tile_new(X, base + T * G4 * s_t, s_t, count - T * G4, G4, D, at - T * G4, row)))
+    return _mask_part(s * scaling, count, T, G4)
 
 
 @triton.jit
@@ -499,8 +518,11 @@ def _decode_tail_kernel(
     h = tl.program_id(0) % HKV
     chunk = tl.program_id(1)
     QG, qkeep = _query_rows(Q, sQb, sQh, b, h, REP, REP_P)
-    q = _query_tile(QG, qkeep, scaling, D)
-    q16 = q.to(tl.float16)
+    # the FP16 keys' dots take the queries as they are (their scaling after the dot) and in the
+    # buffers' dtype: bf16 tiles need no conversion; the packed keys take them pre-scaled, fp32
+    qraw = tl.load(QG + tl.arange(0, D)[None, :], mask=qkeep, other=0.0)
+    q = qraw.to(tl.float32) * scaling
+    qn = _operand(qraw, KS)
     n = tl.load(LENS + b)
     n_vp = tl.load(NVP + b)
     kn = tl.zeros((D,), tl.float16)
@@ -525,11 +547,11 @@ def _decode_tail_kernel(
     if chunk == 0:  # the sink
         n_sink = tl.minimum(n, S)
         base = b * sSb + h * sSh
-        s = tl.dot(q16, tl.trans(_fp16_tile(KS, base, sSt, n_sink, S_P, D)))
+        s = tl.dot(qn, tl.trans(_kv_tile(KS, base, sSt, n_sink, S_P, D))) * scaling
         s = tl.where((tl.arange(0, S_P) < n_sink)[None, :], s, float("-inf"))
         live = n_sink > 0
         m_i, l_i, acc, p = _online_update(m_i, l_i, acc, s)
-        acc += tl.dot(p.to(tl.float16), _fp16_tile(VS, base, sSt, n_sink, S_P, D))
+        acc += tl.dot(_operand(p, VS), _kv_tile(VS, base, sSt, n_sink, S_P, D))
     else:  # one slot of the tail
         c = n_vp + chunk - 1
         count = tl.minimum(n - (S + c * G), G)
@@ -546,22 +568,22 @@ def _decode_tail_kernel(
                 s3 = _mask_part(s3, count, 3, G4)
             else:
                 kb = b * sKBb + h * sKBh
-                s0 = _fp16_part_scores_new(q16, KB, kb, sKBt, count, 0, G4, D, at_k, kn)
-                s1 = _fp16_part_scores_new(q16, KB, kb, sKBt, count, 1, G4, D, at_k, kn)
-                s2 = _fp16_part_scores_new(q16, KB, kb, sKBt, count, 2, G4, D, at_k, kn)
-                s3 = _fp16_part_scores_new(q16, KB, kb, sKBt, count, 3, G4, D, at_k, kn)
+                s0 = _kv_part_scores_new(qn, scaling, KB, kb, sKBt, count, 0, G4, D, at_k, kn)
+                s1 = _kv_part_scores_new(qn, scaling, KB, kb, sKBt, count, 1, G4, D, at_k, kn)
+                s2 = _kv_part_scores_new(qn, scaling, KB, kb, sKBt, count, 2, G4, D, at_k, kn)
+                s3 = _kv_part_scores_new(qn, scaling, KB, kb, sKBt, count, 3, G4, D, at_k, kn)
             m_i, lt, alpha, p0, p1, p2, p3 = _online_update4(m_i, tl.zeros((REP_P, G4), tl.float32), True,
                                                               s0, s1, s2, s3)
             l_i = tl.sum(lt, 1)
             vw = b * sVWb + h * sVWh + (chunk - 1) * G * sVWt
             acc = acc * alpha
-            acc = tl.dot(p0.to(tl.float16), _fp16_tile_new(VW, vw, sVWt, count, G4, D, at_v, vn), acc)
-            acc = tl.dot(p1.to(tl.float16), _fp16_tile_new(VW, vw + G4 * sVWt, sVWt, count - G4, G4, D, at_v - G4, vn),
+            acc = tl.dot(_operand(p0, VW), _kv_tile_new(VW, vw, sVWt, count, G4, D, at_v, vn), acc)
+            acc = tl.dot(_operand(p1, VW), _kv_tile_new(VW, vw + G4 * sVWt, sVWt, count - G4, G4, D, at_v - G4, vn),
                          acc)
-            acc = tl.dot(p2.to(tl.float16), _fp16_tile_new(VW, vw + 2 * G4 * sVWt, sVWt, count - 2 * G4, G4, D,
-                                                           at_v - 2 * G4, vn), acc)
-            acc = tl.dot(p3.to(tl.float16), _fp16_tile_new(VW, vw + 3 * G4 * sVWt, sVWt, count - 3 * G4, G4, D,
-                                                           at_v - 3 * G4, vn), acc)
+            acc = tl.dot(_operand(p2, VW), _kv_tile_new(VW, vw + 2 * G4 * sVWt, sVWt, count - 2 * G4, G4, D,
+                                                        at_v - 2 * G4, vn), acc)
+            acc = tl.dot(_operand(p3, VW), _kv_tile_new(VW, vw + 3 * G4 * sVWt, sVWt, count - 3 * G4, G4, D,
+                                                        at_v - 3 * G4, vn), acc)
     _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, chunk, m_i, l_i, acc, live, REP, REP_P, D)
 
 
