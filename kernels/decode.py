@@ -10,7 +10,8 @@ fused (`decode_attention`)  one split-KV pass (flash-decoding). Program (sequenc
     Each writes a partial softmax (max, sum, weighted values); `_combine_kernel` merges the chunks.
     On a GPU the tail kernel runs on a second stream beside the pages kernel (they share no output).
     A step from device counters may hand its token to the tail kernel (`new=`), which writes it into
-    the FP16 buffers as it attends to it.
+    the FP16 buffers as it attends to it. The tail's tiles of those buffers enter its dots in their
+    own dtype (bf16 for a bf16 model: no conversion), with the queries unscaled (`_operand`).
 unfused (`decode_attention_unfused`)  the paper's three steps: a qk kernel writes every score to
     memory, torch softmax, an sv kernel reads the probabilities back (partials summed by torch).
 `dequantize_pages`  pages -> float32 tokens (inspection and tests).
