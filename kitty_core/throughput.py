@@ -581,7 +581,8 @@ def sweep(model, caches, prompt: int, generate: int, equal_batch: int | None = N
             if stop and stop():
                 return
             # the prefill needs activations the fit probe did not: if they do not fit, prefill in
-            # smaller chunks (as a server would), and only then back the batch off by 10%
+            # smaller chunks (as a server would), and only then back the batch off by 10%, where
+            # the chunks start from the largest again (a smaller batch may take them)
             at, chunk, tries = b, PREFILL_CHUNKS[0], 0
             while True:
                 try:
@@ -598,7 +599,7 @@ def sweep(model, caches, prompt: int, generate: int, equal_batch: int | None = N
                     if b != best or tries > 3:
                         row = {"cache": kind, "batch": at, "reason": "out of memory"}
                         break
-                    at = at * 9 // 10
+                    at, chunk = at * 9 // 10, PREFILL_CHUNKS[0]
             row["at"] = "max batch" if b == best else "equal batch"
             row["max_batch"] = best
             yield "point", row

@@ -116,6 +116,20 @@ def test_chunks_past_a_sequence_are_ignored_whatever_the_workspace_holds():
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
+def test_partials_of_a_16_bit_model_are_kept_in_its_dtype():
+    """A bf16 query's chunks keep their outputs in bf16 between the decode kernels and the combine:
+    the step agrees with the same step in fp32 to bf16 rounding, across many chunks."""
+    from kernels.decode import decode_attention
+
+    layer = _layer("kitty-pro" + SMALL, [SINK + 5 * GROUP + 3, SINK + 2 * GROUP + 1], seed=6)
+    q = torch.randn(2, 4, 1, DIM, device=DEVICE)
+    want = decode_attention(layer, q, 0.25, pages_per_program=1)
+    ws = {}
+    got = decode_attention(layer, q.to(torch.bfloat16), 0.25, ws, pages_per_program=1)
+    assert ws["acc"].dtype == torch.bfloat16 and ws["acc"].shape[2] >= 6 and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_launch_plan_takes_deep_settings_only_for_grids_of_several_waves():
     from kernels.decode import DEEP, REGISTER_CAP, launch_plan
 

@@ -55,7 +55,8 @@ def test_fp16_baseline_decodes_as_transformers_does():
 
 
 def test_sweep_prefills_in_smaller_chunks_before_it_backs_the_batch_off(monkeypatch):
-    """Out of memory in a prefill at the max batch: smaller prefill chunks first, then 10% less batch."""
+    """Out of memory in a prefill at the max batch: smaller prefill chunks first, then 10% less batch,
+    from the largest chunk again."""
     import torch
 
     from kitty_core import throughput
@@ -68,15 +69,15 @@ def test_sweep_prefills_in_smaller_chunks_before_it_backs_the_batch_off(monkeypa
 
     def measure(model, kind, batch, prompt, generate, points, prefill_chunk, graphs=False):
         calls.append((batch, prefill_chunk))
-        if batch * prefill_chunk > 90 * 32:
+        if batch > 90 or batch * prefill_chunk > 90 * 128:  # 100 fits no chunk, 90 takes 128
             raise torch.OutOfMemoryError("CUDA out of memory")
         return {"cache": kind, "batch": batch, "prefill_chunk": prefill_chunk}
 
     monkeypatch.setattr(throughput, "search", search)
     monkeypatch.setattr(throughput, "measure", measure)
     points = [row for what, row in throughput.sweep(None, ["kitty"], 512, 64) if what == "point"]
-    assert calls == [(100, 512), (100, 128), (100, 32), (90, 32)]
-    assert points == [{"cache": "kitty", "batch": 90, "prefill_chunk": 32, "at": "max batch", "max_batch": 100}]
+    assert calls == [(100, 512), (100, 128), (100, 32), (90, 512), (90, 128)]
+    assert points == [{"cache": "kitty", "batch": 90, "prefill_chunk": 128, "at": "max batch", "max_batch": 100}]
 
 
 def test_measure_runs_the_model_without_autograd(monkeypatch):
