@@ -730,11 +730,12 @@ def _decode_pages_kernel(
 
 
 @triton.jit
-def _combine_kernel(M, L, ACC, O, sMb, sMh, sAb, sAh, sAc, sOb, sOh, C,
-                    HQ: tl.constexpr, C_P: tl.constexpr, D: tl.constexpr):
+def _combine_kernel(M, L, ACC, O, sMb, sMh, sAb, sAh, sAc, sOb, sOh, C, LSE,
+                    HQ: tl.constexpr, C_P: tl.constexpr, D: tl.constexpr, WITH_LSE: tl.constexpr):
     """Merge the C partial softmaxes of each (sequence, query head): the chunks' outputs weighted by
     their sums, rescaled to a common max. C is a runtime value (only its power-of-two bound C_P is
-    compiled in): it grows by one every few pages of a generation."""
+    compiled in): it grows by one every few pages of a generation. WITH_LSE: the log of the whole
+    softmax denominator as well, LSE [B * HQ] (to merge this attention with attention elsewhere)."""
     pid = tl.program_id(0)
     b = pid // HQ
     hq = pid % HQ
@@ -749,6 +750,8 @@ def _combine_kernel(M, L, ACC, O, sMb, sMh, sAb, sAh, sAc, sOb, sOh, C,
     w = tl.where(ok, tl.exp(m - tl.max(m, 0)) * l, 0.0)  # each chunk's share of the whole sum
     o = tl.sum(tl.where(ok[:, None], part.to(tl.float32), 0.0) * w[:, None], 0) / tl.sum(w, 0)
     tl.store(O + b * sOb + hq * sOh + d, o.to(O.dtype.element_ty))
+    if WITH_LSE:
+        tl.store(LSE + pid, tl.max(m, 0) + tl.log(tl.sum(w, 0)))
 
 
 def _tail_slots(config) -> int:
@@ -844,10 +847,12 @@ def _constants(layer, query):
 def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                     state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
                     num_stages: int | None = None, unpack: str | None = None, ablate: int = 0,
-                    max_registers: int | str | None = "auto", cuda: bool | None = None, new: tuple | None = None):
+                    max_registers: int | str | None = "auto", cuda: bool | None = None, new: tuple | None = None,
+                    lse: torch.Tensor | None = None):
     """The fused step as kernel launches: ([(kernel, grid, args, options), ...], output tensor).
     `cuda` (default: where the query is) picks the CUDA code paths; `kernels.compile` builds the
-    launches for a CUDA target on a machine without a GPU. `new`: see `decode_attention`."""
+    launches for a CUDA target on a machine without a GPU. `new`: see `decode_attention`. `lse`: a
+    float32 tensor of B x Hq elements the combine fills with each row's log-sum-exp."""
     cuda = query.is_cuda if cuda is None else cuda
     _check(layer, query, cuda)
     st = state if state is not None else layer.kernel_state()
@@ -893,8 +898,9 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
          dict(consts, PPP=1, ABLATE=0, NEW=int(new is not None))),
         (_decode_pages_kernel, (b * layer.heads, n_chunks - 1 - nt), args, pages),
         (_combine_kernel, (b * hq,), (m, l, acc, out, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1),
-                                      acc.stride(2), out.stride(0), out.stride(1), n_chunks),
-         dict(HQ=hq, C_P=c_p, D=d, num_warps=combine_warps(c_p))),
+                                      acc.stride(2), out.stride(0), out.stride(1), n_chunks,
+                                      m if lse is None else lse),
+         dict(HQ=hq, C_P=c_p, D=d, WITH_LSE=lse is not None, num_warps=combine_warps(c_p))),
     ], out
 
 
@@ -928,7 +934,8 @@ def _new_token(layer, new: tuple, batch: int):
 def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                      state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
                      num_stages: int | None = None, unpack: str | None = None, ablate: int = 0,
-                     max_registers: int | str | None = "auto", new: tuple | None = None) -> torch.Tensor:
+                     max_registers: int | str | None = "auto", new: tuple | None = None,
+                     return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of one new query token per sequence over a Kitty layer's state, fused.
 
     query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16), unless
@@ -937,6 +944,8 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     positions as it attends (a step from device counters: `KittyLayer.steps.write`), which spares
     the step two indexed copies.
     `state` is `layer.kernel_state()` (built here if not given); `workspace` keeps the partials.
+    `return_lse`: also return each row's log-sum-exp of its scores, [B, Hq] float32 (to merge this
+    attention over the layer's state with attention over other keys: `prefill_attention`).
     Launch settings (page kernel): two warps per program (faster than one or four on an H200);
     pages per program, pipeline stages and the register cap from `launch_plan` unless given: for
     GQA groups of 4, deep grids (batch x KV heads x page slots of at least 2.5 waves of programs)
@@ -946,8 +955,10 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     the combine waits for both: on an H200 (graph replays of one layer's step) that and the one-warp
     combine made the step 1.12x faster at batch 64 and 8K tokens and 1.05-1.15x at batch 489.
     """
+    lse = torch.empty(query.shape[:2], device=query.device, dtype=torch.float32) if return_lse else None
     (tail, pages, combine), out = decode_launches(layer, query, scaling, workspace, state, pages_per_program,
-                                                  num_warps, num_stages, unpack, ablate, max_registers, new=new)
+                                                  num_warps, num_stages, unpack, ablate, max_registers, new=new,
+                                                  lse=lse)
     if query.is_cuda:  # the tail beside the pages, on a second stream: see `decode_launches`
         main, side = torch.cuda.current_stream(query.device), _side_stream(query.device)
         side.wait_stream(main)
@@ -959,12 +970,56 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
         _launch(tail)
         _launch(pages)
     _launch(combine)
-    return out
+    return (out, lse) if return_lse else out
 
 
 def _launch(launch) -> None:
     kernel, grid, args, options = launch
     kernel[grid](*args, **options)
+
+
+def prefill_attention(layer, query: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
+    """Causal attention of a chunk of new tokens over a Kitty layer's state and over the chunk itself:
+    query [B, Hq, t, D], key_new and value_new [B, H, t, D] (the chunk, not yet in the layer) ->
+    [B, Hq, t, D] in the query's dtype. For a prompt prefilled in chunks, with no padding.
+
+    The history is read where it lies, packed, by the decode kernels: the chunk's t tokens are t more
+    query rows of each GQA group (up to 16 rows a launch, so a long chunk takes several launches),
+    and the combine returns each row's log-sum-exp. The chunk attends to itself in float32 (as the
+    reference engine, it sees its own tokens in FP16), and the two softmaxes are merged by their
+    log-sum-exps. Neither the history's dense FP16 copy nor its memory is needed."""
+    b, hq, t, d = query.shape
+    h = layer.heads
+    rep = hq // h
+    # chunk tokens per launch: up to 16 query rows a group (at 32 or 64 the page kernel spills: on
+    # sm_90 ptxas makes 498 spill instructions of 32 rows, `python -m kernels.compile --q-heads 256`)
+    per = max(1, 16 // rep)
+    past = torch.empty_like(query)
+    past_lse = torch.empty((b, hq, t), device=query.device, dtype=torch.float32)
+    for i in range(0, t, per):
+        q = query[:, :, i : i + per]
+        n = q.shape[2]
+        o, lse = decode_attention(layer, q.contiguous().view(b, hq * n, 1, d), scaling, return_lse=True)
+        past[:, :, i : i + n] = o.view(b, hq, n, d)
+        past_lse[:, :, i : i + n] = lse.view(b, hq, n)
+    # the chunk over itself, causal, and the merge: a block of sequences at a time (scores of up to
+    # 2^26 elements), so that the float32 temporaries stay small beside a large batch's cache
+    out = torch.empty_like(query)
+    causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
+    step = max(1, (1 << 26) // (hq * t * t))
+    for s in range(0, b, step):
+        rows = slice(s, s + step)
+        q = query[rows].float().view(-1, h, rep, t, d)
+        scores = (q @ key_new[rows].float()[:, :, None].transpose(-1, -2)) * scaling
+        scores = scores.masked_fill(~causal, float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        own = (torch.exp(scores - lse[..., None]) @ value_new[rows].float()[:, :, None]).view(-1, hq, t, d)
+        lse = lse.view(-1, hq, t)
+        top = torch.maximum(past_lse[rows], lse)
+        w_past, w_own = torch.exp(past_lse[rows] - top)[..., None], torch.exp(lse - top)[..., None]
+        out[rows] = (past[rows].float() * w_past + own * w_own) / (w_past + w_own)
+    return out
 
 
 @functools.lru_cache
@@ -1224,4 +1279,5 @@ def decode_attention_reference(layer, query: torch.Tensor, scaling: float) -> to
     return torch.stack(outs)[:, :, None].to(query.dtype)
 
 
-__all__ = ["decode_attention", "decode_launches", "decode_attention_unfused", "decode_attention_reference", "dequantize_pages"]
+__all__ = ["decode_attention", "decode_launches", "decode_attention_unfused", "decode_attention_reference",
+           "dequantize_pages", "prefill_attention"]

@@ -1,6 +1,9 @@
 """The Triton engine: decode steps attend directly on packed pages through `decode.decode_attention`.
 
-Prefill (several new tokens) attends in FP16 over the prompt as the reference engine does; a decode
+A prefill's first chunk (several new tokens, no history) attends in FP16 over itself as the
+reference engine does. A later chunk of a prompt prefilled in pieces attends to the history on the
+packed pages through the decode kernels and to itself in FP16 (`decode.prefill_attention`), where
+the reference engine rebuilds a dense FP16 copy of the whole history for every chunk. A decode
 step stores the new token in FP16, runs the fused kernel over the layer's state, then packs any
 buffer that became full (at most once every G steps). Pages are packed by `kernels.pack` on CUDA
 (the torch quantizers where a kernel does not apply: the random rule, other page or head sizes).
@@ -13,7 +16,7 @@ import os
 from kitty_core.cache import ReferenceEngine
 
 from . import pack
-from .decode import decode_attention
+from .decode import decode_attention, prefill_attention
 
 
 class TritonEngine(ReferenceEngine):
@@ -50,7 +53,21 @@ class TritonEngine(ReferenceEngine):
             return pack.quantize_values(values, bits)
         return super().quantize_values(values, bits)
 
+    @staticmethod
+    def chunk_on_pages(layer, module, query) -> bool:
+        """Can a chunk of several new tokens attend to the layer's history on its pages? A history
+        (a prompt's later chunk), no padding (the chunk's mask is causal, nothing else), no sliding
+        window, not during device-driven steps, and a layer and query the kernels take."""
+        return (query.shape[2] > 1 and layer.seen > 0 and not any(layer.pad) and layer.steps is None
+                and getattr(module, "sliding_window", None) is None and TritonEngine.supports(layer, query))
+
     def attend(self, layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if self.chunk_on_pages(layer, module, query):
+            out = prefill_attention(layer, query, key_new, value_new, scaling)
+            layer.insert(key_new, value_new)
+            layer.drop_dense_view()
+            return out.transpose(1, 2), None  # transformers expects [B, t, Hq, D]
         if key_new.shape[2] != 1 or not self.supports(layer, query):
             if layer.steps is not None:
                 raise ValueError("decode steps from device counters need the Triton kernels, which take "
@@ -69,7 +86,7 @@ class TritonEngine(ReferenceEngine):
         else:
             layer.insert(key_new, value_new, pack=False)
         ws = self.workspaces.setdefault(layer.layer_idx, {})
-        out = decode_attention(layer, query, scaling if scaling is not None else query.shape[-1] ** -0.5, ws, new=new)
+        out = decode_attention(layer, query, scaling, ws, new=new)
         if not device_step:
             layer.pack_full()
         return out.transpose(1, 2), None  # transformers expects [B, t, Hq, D]
