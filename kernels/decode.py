@@ -978,6 +978,19 @@ def _launch(launch) -> None:
     kernel[grid](*args, **options)
 
 
+def _prefill_tokens_per_launch(rep: int) -> int:
+    """Chunk tokens per decode-kernel launch in `prefill_attention`: up to 16 query rows a GQA group
+    (at 32 or 64 the page kernel spills: on sm_90 ptxas makes 498 spill instructions of 32 rows,
+    `python -m kernels.compile --q-heads 256`)."""
+    return max(1, 16 // rep)
+
+
+def prefill_launches(rep: int, tokens: int) -> int:
+    """Decode-kernel launches `prefill_attention` makes a layer for a chunk of `tokens` tokens and
+    GQA groups of `rep` query heads."""
+    return -(-tokens // _prefill_tokens_per_launch(rep))
+
+
 def prefill_attention(layer, query: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor,
                       scaling: float) -> torch.Tensor:
     """Causal attention of a chunk of new tokens over a Kitty layer's state and over the chunk itself:
@@ -992,9 +1005,7 @@ def prefill_attention(layer, query: torch.Tensor, key_new: torch.Tensor, value_n
     b, hq, t, d = query.shape
     h = layer.heads
     rep = hq // h
-    # chunk tokens per launch: up to 16 query rows a group (at 32 or 64 the page kernel spills: on
-    # sm_90 ptxas makes 498 spill instructions of 32 rows, `python -m kernels.compile --q-heads 256`)
-    per = max(1, 16 // rep)
+    per = _prefill_tokens_per_launch(rep)
     past = torch.empty_like(query)
     past_lse = torch.empty((b, hq, t), device=query.device, dtype=torch.float32)
     for i in range(0, t, per):

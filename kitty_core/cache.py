@@ -206,13 +206,20 @@ class ReferenceEngine:
         return quantize_values(values, bits)
 
     def attend(self, layer: "KittyLayer", module, query, key_new, value_new, attention_mask, scaling, **kwargs):
+        out = self.attend_dense(layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
+        layer.insert(key_new, value_new)  # after attention: the new tokens were attended in FP16
+        return out
+
+    @staticmethod
+    def attend_dense(layer: "KittyLayer", module, query, key_new, value_new, attention_mask, scaling, **kwargs):
+        """SDPA over the dense view of the history and the new tokens; the layer's state is left as
+        it was (the new tokens are not inserted), so an out-of-memory here loses nothing."""
         past_k, past_v = layer.dense_history(key_new.dtype)  # [B, H, seen, D], right-aligned
         keys = torch.cat([past_k, key_new], dim=2)
         values = torch.cat([past_v, value_new], dim=2)
         kwargs.pop("dropout", None)
-        out = sdpa_attention_forward(module, query, keys, values, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
-        layer.insert(key_new, value_new)  # after attention: the new tokens were attended in FP16
-        return out
+        return sdpa_attention_forward(module, query, keys, values, attention_mask, dropout=0.0, scaling=scaling,
+                                      **kwargs)
 
 
 ENGINES = {"reference": ReferenceEngine}

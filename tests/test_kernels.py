@@ -259,6 +259,44 @@ def test_a_prompt_prefilled_in_chunks_attends_to_its_history_on_the_pages(monkey
         torch.testing.assert_close(g, w, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="tiny shapes for the interpreter")
+def test_a_long_chunk_attends_over_the_dense_history_unless_it_does_not_fit(monkeypatch):
+    """A chunk whose history would take more than SHORT_CHUNK_LAUNCHES launches attends over the
+    dense FP16 history; when that copy runs out of memory, on the pages, with nothing lost."""
+    from conftest import tiny_model
+
+    import kernels.engine as engine
+    from kitty_core import KittyCache
+    from kitty_core.cache import ReferenceEngine
+
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, 256, (2, 93))
+    spec = "kitty-pro+sink=4+group_size=16+local_window=16"
+    assert engine.prefill_launches(2, 72) > engine.SHORT_CHUNK_LAUNCHES  # 2 query heads a KV head
+    want = _chunked_prefill(model, KittyCache(model, spec, engine="reference"), ids, [20, 72])
+    calls = []
+    real = engine.prefill_attention
+    monkeypatch.setattr(engine, "prefill_attention", lambda *a: calls.append(a[1].shape[2]) or real(*a))
+    dense = _chunked_prefill(model, KittyCache(model, spec, engine="triton"), ids, [20, 72])
+    assert calls == []
+    attend_dense = ReferenceEngine.attend_dense
+
+    def out_of_memory(layer, *args, **kwargs):
+        if layer.seen:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return attend_dense(layer, *args, **kwargs)
+
+    monkeypatch.setattr(ReferenceEngine, "attend_dense", staticmethod(out_of_memory))
+    cache = KittyCache(model, spec, engine="triton")
+    pages = _chunked_prefill(model, cache, ids, [20, 72])
+    assert calls == [72, 72] and cache.get_seq_length() == 93 and cache.layers[0]._view_k is None
+    for d, w in zip(dense[:2], want[:2]):  # the chunks: the reference engine's own path
+        torch.testing.assert_close(d, w, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dense[2], want[2], atol=1e-2, rtol=1e-2)  # the decode step after them
+    for g, w in zip(pages, want):
+        torch.testing.assert_close(g, w, atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("spec", ["kitty-pro", "kivi-k2v2"])
 def test_prefill_attention_matches_attention_over_the_dense_history(spec):
     """`prefill_attention` (decode kernels over the state + the chunk over itself, merged by their
@@ -282,16 +320,21 @@ def test_prefill_attention_matches_attention_over_the_dense_history(spec):
 
 @pytest.mark.gpu
 def test_chunked_prefill_on_the_pages_agrees_with_reference_on_the_demo_model():
-    """The demo model (bf16) prefilled in chunks of 96 tokens: the chunks after the first attend to the
-    packed history through the kernels; the logits agree with the reference engine's as the decode
-    steps do (`test_triton_engine_agrees_with_reference_on_the_demo_model`)."""
+    """The demo model (bf16) prefilled in a chunk of 96 tokens, then chunks of 32: those attend to the
+    packed history through the kernels (7 launches a layer for 3 query heads a KV head); the logits
+    agree with the reference engine's as the decode steps do
+    (`test_triton_engine_agrees_with_reference_on_the_demo_model`)."""
+    import kernels.engine as engine
+
     from kitty_core import KittyCache, load_model
 
     lm = load_model("demo", device="cuda", dtype=torch.bfloat16)
     model = lm.model
     ids = lm.tokenizer(["In the beginning God created the heaven and the earth. " * 40] * 2,
                        return_tensors="pt").input_ids[:, :480].cuda()
-    got = _chunked_prefill(model, KittyCache(model, "kitty-pro", engine="triton"), ids, [96] * 5)
-    want = _chunked_prefill(model, KittyCache(model, "kitty-pro", engine="reference"), ids, [96] * 5)
+    chunks = [96] + [32] * 12
+    assert engine.prefill_launches(3, 32) <= engine.SHORT_CHUNK_LAUNCHES
+    got = _chunked_prefill(model, KittyCache(model, "kitty-pro", engine="triton"), ids, chunks)
+    want = _chunked_prefill(model, KittyCache(model, "kitty-pro", engine="reference"), ids, chunks)
     for g, w in zip(got, want):
         torch.testing.assert_close(g.float(), w.float(), atol=0.6, rtol=0.05)
