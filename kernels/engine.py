@@ -6,8 +6,9 @@ engine does, over a dense FP16 copy of the whole history rebuilt from the pages,
 on the packed pages through the decode kernels and to itself in FP16 (`decode.prefill_attention`),
 which needs no copy: short chunks take the pages (`SHORT_CHUNK_LAUNCHES`), and a longer one does
 when the copy does not fit. A decode step stores the new token in FP16, runs the fused kernel over
-the layer's state, then packs any buffer that became full (at most once every G steps). Pages are packed by `kernels.pack` on CUDA
-(the torch quantizers where a kernel does not apply: the random rule, other page or head sizes).
+the layer's state, then packs any buffer that became full (at most once every G steps). Pages are
+packed by `kernels.pack` on CUDA (the torch quantizers where a kernel does not apply: the random
+rule, other page or head sizes).
 """
 
 from __future__ import annotations
