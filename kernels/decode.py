@@ -999,8 +999,8 @@ def prefill_attention(layer, query: torch.Tensor, key_new: torch.Tensor, value_n
 
     The history is read where it lies, packed, by the decode kernels: the chunk's t tokens are t more
     query rows of each GQA group (up to 16 rows a launch, so a long chunk takes several launches),
-    and the combine returns each row's log-sum-exp. The chunk attends to itself in float32 (as the
-    reference engine, it sees its own tokens in FP16), and the two softmaxes are merged by their
+    and the combine returns each row's log-sum-exp. The chunk attends to its own tokens as they come
+    (FP16, as in the reference engine), in float32, and the two softmaxes are merged by their
     log-sum-exps. Neither the history's dense FP16 copy nor its memory is needed."""
     b, hq, t, d = query.shape
     h = layer.heads
@@ -1008,10 +1008,12 @@ def prefill_attention(layer, query: torch.Tensor, key_new: torch.Tensor, value_n
     per = _prefill_tokens_per_launch(rep)
     past = torch.empty_like(query)
     past_lse = torch.empty((b, hq, t), device=query.device, dtype=torch.float32)
+    state = layer.kernel_state()
     for i in range(0, t, per):
-        q = query[:, :, i : i + per]
-        n = q.shape[2]
-        o, lse = decode_attention(layer, q.contiguous().view(b, hq * n, 1, d), scaling, return_lse=True)
+        rows = query[:, :, i : i + per]
+        n = rows.shape[2]
+        o, lse = decode_attention(layer, rows.contiguous().view(b, hq * n, 1, d), scaling, state=state,
+                                  return_lse=True)
         past[:, :, i : i + n] = o.view(b, hq, n, d)
         past_lse[:, :, i : i + n] = lse.view(b, hq, n)
     # the chunk over itself, causal, and the merge: a block of sequences at a time (scores of up to
