@@ -3,6 +3,7 @@ of them: registers, spills, shared memory and the SASS instruction mix of each k
 
     python -m kernels.compile                          # Qwen3-8B attention, kitty-pro, sm_90
     python -m kernels.compile --unpack bits,ptx --method kitty+boost_rate=0
+    python -m kernels.compile --key-dots fp16,int8 --unpack ptx
     python -m kernels.compile --warps 4 --max-registers 0
 
 Triton's wheel ships ptxas and cuobjdump, so this needs neither a GPU nor a CUDA install. It shows
@@ -26,7 +27,7 @@ import triton
 
 # SASS opcode families (the opcode before the first dot)
 FAMILIES = {
-    "tensor core": {"HMMA", "HGMMA"},
+    "tensor core": {"HMMA", "HGMMA", "IMMA", "IGMMA"},
     "global load": {"LDG"},
     "shared": {"LDS", "STS", "LDSM", "STSM"},
     "integer/bit": {"LOP3", "SHF", "PRMT", "IADD3", "IMAD", "LEA", "SGXT", "BMSK", "ISETP", "SEL", "IMNMX", "VIMNMX"},
@@ -121,23 +122,26 @@ def layer_for(method: str, batch: int = 2, length: int = 2048, kv_heads: int = 8
 
 
 def report(method: str = "kitty-pro", unpacks=("ptx",), q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-           arch: int = 90, dtype=torch.bfloat16, **launch) -> pd.DataFrame:
-    """Per kernel of the fused decode step and unpack mode: ptxas resources and the SASS mix."""
-    from .decode import decode_launches
+           arch: int = 90, dtype=torch.bfloat16, key_dots=(None,), **launch) -> pd.DataFrame:
+    """Per kernel of the fused decode step, unpack mode and page-kernel key dots: ptxas resources and
+    the SASS mix (the tail kernel once per unpack mode: it has no key dots of its own)."""
+    from .decode import decode_launches, key_dots_of
 
     layer = layer_for(method, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
     q = torch.randn(layer.k_sink.buf.shape[0], q_heads, 1, head_dim, dtype=dtype)
     launch.setdefault("pages_per_program", 8)  # a page loop, as at long context
     rows = []
     for unpack in unpacks:
-        launches, _ = decode_launches(layer, q, head_dim**-0.5, unpack=unpack, cuda=True, **launch)
-        for kernel, _grid, args, options in launches[:2]:
-            info = inspect(compile_launch(kernel, args, options, arch))
-            info.pop("sass")
-            warps = options.get("num_warps", 4)
-            per_page = info.get("loop_instructions", 0) * warps if kernel is launches[1][0] else None
-            rows.append({"kernel": kernel.fn.__name__, "unpack": unpack, "warps": warps, **info,
-                         "warp_instructions_per_page": per_page})
+        for i, dots in enumerate(key_dots):
+            launches, _ = decode_launches(layer, q, head_dim**-0.5, unpack=unpack, cuda=True, key_dots=dots, **launch)
+            for kernel, _grid, args, options in launches[:2] if i == 0 else launches[1:2]:
+                info = inspect(compile_launch(kernel, args, options, arch))
+                info.pop("sass")
+                warps = options.get("num_warps", 4)
+                pages = kernel is launches[1][0]
+                rows.append({"kernel": kernel.fn.__name__, "unpack": unpack,
+                             "key_dots": key_dots_of(dots, head_dim) if pages else None, "warps": warps, **info,
+                             "warp_instructions_per_page": info.get("loop_instructions", 0) * warps if pages else None})
     return pd.DataFrame(rows)
 
 
@@ -145,6 +149,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels.compile", description=__doc__.split("\n\n")[0])
     p.add_argument("--method", default="kitty-pro")
     p.add_argument("--unpack", default="ptx,bits")
+    p.add_argument("--key-dots", default=None, help="the page kernel's key dots: fp16, int8 or both "
+                   "(fp16,int8; default: the library's default)")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--q-heads", type=int, default=32)
@@ -152,7 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--warps", type=int, default=None, help="page kernel warps (default: the launch default)")
     p.add_argument("--max-registers", type=int, default=None, help="page kernel cap (default: the launch "
                    "default; 0: none)")
-    p.add_argument("--columns", default="kernel,unpack,warps,registers,spill_ops,loop_spill_ops,shared_bytes,instructions,"
+    p.add_argument("--columns", default="kernel,unpack,key_dots,warps,registers,spill_ops,loop_spill_ops,shared_bytes,instructions,"
                    "loop_instructions,warp_instructions_per_page,"
                    "loop_tensor core,loop_integer/bit,loop_shared,loop_float,loop_shuffle,loop_other")
     a = p.parse_args(argv)
@@ -161,7 +167,8 @@ def main(argv=None) -> int:
     launch = {} if a.max_registers is None else {"max_registers": a.max_registers or None}
     if a.warps:
         launch["num_warps"] = a.warps
-    df = report(a.method, a.unpack.split(","), a.q_heads, a.kv_heads, a.head_dim, a.arch, **launch)
+    key_dots = a.key_dots.split(",") if a.key_dots else (None,)
+    df = report(a.method, a.unpack.split(","), a.q_heads, a.kv_heads, a.head_dim, a.arch, key_dots=key_dots, **launch)
     print(df[[c for c in a.columns.split(",") if c in df]].to_string(index=False))
     return 0
 

@@ -16,6 +16,15 @@ unfused (`decode_attention_unfused`)  the paper's three steps: a qk kernel write
     memory, torch softmax, an sv kernel reads the probabilities back (partials summed by torch).
 `dequantize_pages`  pages -> float32 tokens (inspection and tests).
 
+Key dots in int8 (`key_dots`, the default for head sizes of 128 and more). The page kernel can take a
+page's key scores on int8 tensor cores: the query times the page's key scales is rounded to int8 per
+query head (127 steps of its largest magnitude; the boosted channels' queries on a scale of their
+own), and a code plane becomes int8 operands with one or two 32-bit instructions per four codes,
+masked in the byte where it lies (`_key8_plane`), where the fp16 operands below take one per two
+after two byte permutes per four. Each int8 dot covers 32 channels, an fp16 dot 16. The rounding's
+error at the codes' mean is the same for every token of a page and is taken out exactly
+(`_page_scores_i8`). The values' dots stay fp16.
+
 How a page is read. A packed row of n codes is four planes of n/4 contiguous elements (byte i
 holds elements i, i + n/4, i + n/2, i + 3n/4; `kitty_core.quant`). A key page head is one [D, G/4]
 byte load whose plane P, `(byte >> 2P) & 3`, is the [D, G/4] code tile of tokens P*G/4 .. (P+1)*G/4;
@@ -260,14 +269,17 @@ def _boost_index(KC, base, NB: tl.constexpr, NB_P: tl.constexpr):
 
 
 @triton.jit
-def _boosted_query(QGT, qkeep, scaling, KSC, ch, kpage, sKSp, sbase_h, NB: tl.constexpr, NB_P: tl.constexpr):
-    """The queries [NB_P, R] of a page's boosted channels ch, times their key scales and 4 (the high
-    bits' weight), in fp16."""
+def _boosted_query(QGT, qkeep, scaling, KSC, ch, kpage, sKSp, sbase_h, NB: tl.constexpr, NB_P: tl.constexpr,
+                   KEY8: tl.constexpr):
+    """The queries [NB_P, R] of a page's boosted channels ch, times their key scales: in fp32 for the
+    int8 dots (KEY8, rounded there), else times 4 (the high bits' weight) in fp16."""
     listed = (tl.arange(0, NB_P) < NB)[:, None]
     qg = tl.load(QGT + ch[:, None], mask=qkeep & listed, other=0.0).to(tl.float32) * scaling
     sc = tl.load(KSC + kpage * sKSp + sbase_h + ch).to(tl.float32)
-    # x 4 after the fp16 rounding, as (4 * fp16 qk) of the same channel: exact
-    return ((qg * sc[:, None]).to(tl.float16) * 4.0).to(tl.float16)
+    qs = qg * sc[:, None]
+    if not KEY8:  # x 4 after the fp16 rounding, as (4 * fp16 qk) of the same channel: exact
+        qs = (qs.to(tl.float16) * 4.0).to(tl.float16)
+    return qs
 
 
 @triton.jit
@@ -301,6 +313,107 @@ def _page_scores_s(qt, qb, raw, hraw, ks, kz, NB: tl.constexpr, BIAS: tl.constex
     s2 = (s2 - bias) * 0.0625 + zero
     s3 = (s3 - bias) * 0.015625 + zero
     return s0, s1, s2, s3
+
+
+# The int8 key dots (`key_dots="int8"`): a plane's codes become int8 operands with one 32-bit
+# instruction or two per four codes, where the fp16 planes take one per two (after two byte permutes
+# per four), and each dot covers 32 channels, where an fp16 dot covers 16. A plane's two bits are
+# masked where they lie (weight 1) or in the next pair up (weight 4), shifted first where they lie
+# too high: the int8 operands stay below 64, non-negative. The high plane's codes land one pair above
+# the dense plane's weight (x 4, the high bits' weight), so both dots run into one int32 accumulator.
+#   (right shift, mask) for the dense plane P, and for the high plane P (negative: left shift)
+_KEY8_DENSE = ((0, 0x03), (0, 0x0C), (4, 0x03), (4, 0x0C))
+_KEY8_HIGH = ((-2, 0x0C), (-2, 0x30), (2, 0x0C), (2, 0x30))
+
+
+def _key8_ptx(shift: int, mask: int) -> str:
+    """PTX for four packed bytes ($1) -> four int8 codes ($0): shifted, then masked in every byte."""
+    mask = mask * 0x01010101
+    if shift == 0:
+        return f"and.b32 $0, $1, {mask:#010x};"
+    op = "shr" if shift > 0 else "shl"
+    return f"{{ .reg .b32 t; {op}.b32 t, $1, {abs(shift)}; and.b32 $0, t, {mask:#010x}; }}"
+
+
+_K8D0, _K8D1, _K8D2, _K8D3 = [tl.constexpr(_key8_ptx(*sm)) for sm in _KEY8_DENSE]
+_K8H0, _K8H1, _K8H2, _K8H3 = [tl.constexpr(_key8_ptx(*sm)) for sm in _KEY8_HIGH]
+
+
+@triton.jit
+def _key8_asm(raw, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, "=r,r", [raw], dtype=tl.int8, is_pure=True, pack=4)
+
+
+@triton.jit
+def _key8_plane(raw, P: tl.constexpr, HIGH: tl.constexpr, BIAS: tl.constexpr):
+    """Plane P of packed key bytes as int8 codes at the weight `_KEY8_DENSE` / `_KEY8_HIGH` give.
+    BIAS 2: four codes per one or two PTX instructions (CUDA only); else element by element."""
+    if BIAS == 2:
+        if HIGH:
+            if P == 0:
+                return _key8_asm(raw, _K8H0)
+            elif P == 1:
+                return _key8_asm(raw, _K8H1)
+            elif P == 2:
+                return _key8_asm(raw, _K8H2)
+            return _key8_asm(raw, _K8H3)
+        if P == 0:
+            return _key8_asm(raw, _K8D0)
+        elif P == 1:
+            return _key8_asm(raw, _K8D1)
+        elif P == 2:
+            return _key8_asm(raw, _K8D2)
+        return _key8_asm(raw, _K8D3)
+    w = raw.to(tl.int32)
+    if HIGH:
+        if P < 2:
+            w = (w << 2) & (0x0C << (2 * P))
+        else:
+            w = (w >> 2) & (0x0C << (2 * (P - 2)))
+    else:
+        w = (w >> (4 * (P // 2))) & (0x03 << (2 * (P % 2)))
+    return w.to(tl.int8)
+
+
+@triton.jit
+def _int8_query(x):
+    """Queries x [n, R] (fp32) as int8 on a scale of their largest magnitude per column (127 steps),
+    rounded to nearest: adding 1.5 x 2^23 puts the integer in the low mantissa bits, whose low byte
+    is its two's complement. Returns (int8 values, step [1, R], rounding residuals x^ - x)."""
+    amax = tl.max(tl.abs(x), 0)
+    step = (amax * (1.0 / 127.0))[None, :]
+    y = x * (127.0 / tl.maximum(amax, 1e-30))[None, :]  # a column of zeros stays zeros
+    t = y + 12582912.0
+    return t.to(tl.int32, bitcast=True).to(tl.int8), step, ((t - 12582912.0) - y) * step
+
+
+@triton.jit
+def _page_scores_i8(qt, qb, raw, hraw, ks, kz, NB: tl.constexpr, BIAS: tl.constexpr):
+    """`_page_scores_s` on int8 tensor cores. The queries times the page's key scales, qt [D, R], are
+    rounded to int8 on a scale of their largest magnitude per query head (`_int8_query`), and the
+    boosted channels' queries qb [NB_P, R] (fp32, `_boosted_query`, no x 4) on a scale of their own:
+    a boosted channel's high codes weigh 4 x its scale, which may be far below the others'.
+    Every plane's dot is exact in int32. The rounding's error in a score is sum_d e_d c_d (e: the
+    residuals, c: the token's codes); its part at the codes' mean, 1.5 x sum_d e_d (and 6 x the
+    boosted queries' residuals, for high codes of weight 4), is the same for every token of the page
+    and is taken out with the zero term. What is left, sum_d e_d (c_d - 1.5), is 1.7x smaller for
+    uniform codes."""
+    qk = qt * ks[:, None]
+    q8, step, res = _int8_query(qk)
+    zero = tl.sum(qt * kz[:, None] - 1.5 * res, 0)[None, :]
+    s0 = tl.dot(_key8_plane(raw, 0, 0, BIAS), q8, out_dtype=tl.int32).to(tl.float32) * step
+    s1 = tl.dot(_key8_plane(raw, 1, 0, BIAS), q8, out_dtype=tl.int32).to(tl.float32) * step
+    s2 = tl.dot(_key8_plane(raw, 2, 0, BIAS), q8, out_dtype=tl.int32).to(tl.float32) * step
+    s3 = tl.dot(_key8_plane(raw, 3, 0, BIAS), q8, out_dtype=tl.int32).to(tl.float32) * step
+    if NB > 0:
+        qb8, bstep, bres = _int8_query(qb)
+        zero -= 6.0 * tl.sum(bres, 0)[None, :]
+        s0 += tl.dot(_key8_plane(hraw, 0, 1, BIAS), qb8, out_dtype=tl.int32).to(tl.float32) * bstep
+        s1 += tl.dot(_key8_plane(hraw, 1, 1, BIAS), qb8, out_dtype=tl.int32).to(tl.float32) * bstep
+        s2 += tl.dot(_key8_plane(hraw, 2, 1, BIAS), qb8, out_dtype=tl.int32).to(tl.float32) * bstep
+        s3 += tl.dot(_key8_plane(hraw, 3, 1, BIAS), qb8, out_dtype=tl.int32).to(tl.float32) * bstep
+    # planes 1 and 3 carry their codes x 4 (`_KEY8_DENSE`)
+    return s0 + zero, s1 * 0.25 + zero, s2 + zero, s3 * 0.25 + zero
 
 
 @triton.jit
@@ -605,7 +718,7 @@ def _decode_pages_kernel(
     scaling,
     HKV: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr, V4: tl.constexpr,
-    PPP: tl.constexpr, NT: tl.constexpr, BIAS: tl.constexpr, ABLATE: tl.constexpr,
+    PPP: tl.constexpr, NT: tl.constexpr, BIAS: tl.constexpr, ABLATE: tl.constexpr, KEY8: tl.constexpr,
 ):
     """PPP page slots whose keys and values are both packed, from slot program_id(1) * PPP, into
     partial NT + 1 + program_id(1). ABLATE (diagnostics for `bench kernels --ablate`, 0 in use):
@@ -668,10 +781,10 @@ def _decode_pages_kernel(
                 kseen += kraw.to(tl.int32)  # element-wise: no reduction per page
                 vseen += vraw.to(tl.int32)
             else:
-                qb = tl.zeros((NB_P, REP_P), tl.float16)
+                qb = tl.zeros((NB_P, REP_P), tl.float32 if KEY8 else tl.float16)
                 ch_next = ch
                 if NB > 0:
-                    qb = _boosted_query(QGT, keept, scaling, KSC, ch, kpage, sKSp, h * sKSh, NB, NB_P)
+                    qb = _boosted_query(QGT, keept, scaling, KSC, ch, kpage, sKSp, h * sKSh, NB, NB_P, KEY8)
                     ch_next = _boost_index(KC, _pick(kpages, slots, i + 1) * sKCp + h * sKCh, NB, NB_P)
                 vsbase = vpage * sVSp + h * sVSh
                 vs0, vz0 = _value_scales(VSC, VZ, vsbase, 0, G4)
@@ -688,7 +801,10 @@ def _decode_pages_kernel(
                     k = tl.arange(0, NB_P)
                     hraw = tl.load(KH + kpage * sKHp + h * sKHh + g[:, None] * sKHg + k[None, :] * sKHr,
                                    mask=(k < NB)[None, :], other=0)
-                s0, s1, s2, s3 = _page_scores_s(qt, qb, raw, hraw, ks, kz, NB, BIAS)
+                if KEY8:
+                    s0, s1, s2, s3 = _page_scores_i8(qt, qb, raw, hraw, ks, kz, NB, BIAS)
+                else:
+                    s0, s1, s2, s3 = _page_scores_s(qt, qb, raw, hraw, ks, kz, NB, BIAS)
                 m_i, lt, alpha, p0, p1, p2, p3 = _online_update4_t(m_i, lt, s0, s1, s2, s3, BIAS == 2)
                 a0 = a0 * alpha
                 a1 = a1 * alpha
@@ -819,6 +935,23 @@ def _bias(unpack: str | None, cuda: bool) -> int:
     return UNPACK[unpack]
 
 
+KEY_DOTS = ("fp16", "int8")  # the page kernel's key dots (`_page_scores_s`, `_page_scores_i8`)
+# head sizes from which the key dots are int8 by default. On an H200 (kitty-pro, bf16, one layer's
+# fused step from a CUDA graph) int8 took 6-8% off the step at head size 128 (the page kernel 8-13%:
+# 64 x 8192 and 489 x 608-8672 tokens) and added 10-12% at head size 64, where the query's
+# rounding is a larger share of a page's work
+INT8_KEY_DOTS_FROM = 128
+
+
+def key_dots_of(key_dots: str | None, head_dim: int) -> str:
+    """The page kernel's key dots: `key_dots` checked, or the default for the head size."""
+    if key_dots is None:
+        return "int8" if head_dim >= INT8_KEY_DOTS_FROM else "fp16"
+    if key_dots not in KEY_DOTS:
+        raise ValueError(f"key_dots must be one of {', '.join(KEY_DOTS)}, got {key_dots!r}")
+    return key_dots
+
+
 def _kernel_args(layer, st):
     kp, vp = st["k_pages"], st["v_pages"]
     ks, vs, kb, vw = st["k_sink"], st["v_sink"], st["k_buffer"], st["v_window"]
@@ -848,11 +981,13 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
                     state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
                     num_stages: int | None = None, unpack: str | None = None, ablate: int = 0,
                     max_registers: int | str | None = "auto", cuda: bool | None = None, new: tuple | None = None,
-                    lse: torch.Tensor | None = None):
+                    lse: torch.Tensor | None = None, key_dots: str | None = None):
     """The fused step as kernel launches: ([(kernel, grid, args, options), ...], output tensor).
     `cuda` (default: where the query is) picks the CUDA code paths; `kernels.compile` builds the
     launches for a CUDA target on a machine without a GPU. `new`: see `decode_attention`. `lse`: a
-    float32 tensor of B x Hq elements the combine fills with each row's log-sum-exp."""
+    float32 tensor of B x Hq elements the combine fills with each row's log-sum-exp. `key_dots`: the
+    page kernel's key dots, "fp16" (`_page_scores_s`) or "int8" (`_page_scores_i8`: the query rounded
+    to 8 bits per page and head); None: int8 for head sizes of at least `INT8_KEY_DOTS_FROM`."""
     cuda = query.is_cuda if cuda is None else cuda
     _check(layer, query, cuda)
     st = state if state is not None else layer.kernel_state()
@@ -879,7 +1014,10 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
     # program's registers and shared memory, and so how many of them an SM holds. They share no
     # output, and `decode_attention` runs them side by side (the tail on a second stream): the tail's
     # short programs fill the SMs that the page grid's last wave leaves idle
-    pages = dict(consts, num_warps=num_warps, num_stages=num_stages or plan[1])
+    pages = dict(consts, KEY8=int(key_dots_of(key_dots, d) == "int8"), num_warps=num_warps,
+                 num_stages=num_stages or plan[1])
+    if pages["KEY8"] and cuda:  # an int8 dot takes 32 channels at a time: the high plane's rows too
+        pages["NB_P"] = max(32, pages["NB_P"])
     if max_registers == "auto":
         max_registers = plan[2]
     if max_registers and cuda:
@@ -935,7 +1073,8 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
                      state: dict | None = None, pages_per_program: int | None = None, num_warps: int = 2,
                      num_stages: int | None = None, unpack: str | None = None, ablate: int = 0,
                      max_registers: int | str | None = "auto", new: tuple | None = None,
-                     return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     return_lse: bool = False, key_dots: str | None = None
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of one new query token per sequence over a Kitty layer's state, fused.
 
     query [B, Hq, 1, D] -> [B, Hq, 1, D]. The layer must already hold the new token (FP16), unless
@@ -958,7 +1097,7 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     lse = torch.empty(query.shape[:2], device=query.device, dtype=torch.float32) if return_lse else None
     (tail, pages, combine), out = decode_launches(layer, query, scaling, workspace, state, pages_per_program,
                                                   num_warps, num_stages, unpack, ablate, max_registers, new=new,
-                                                  lse=lse)
+                                                  lse=lse, key_dots=key_dots)
     if query.is_cuda:  # the tail beside the pages, on a second stream: see `decode_launches`
         main, side = torch.cuda.current_stream(query.device), _side_stream(query.device)
         side.wait_stream(main)
@@ -992,7 +1131,7 @@ def prefill_launches(rep: int, tokens: int) -> int:
 
 
 def prefill_attention(layer, query: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor,
-                      scaling: float) -> torch.Tensor:
+                      scaling: float, key_dots: str | None = None) -> torch.Tensor:
     """Causal attention of a chunk of new tokens over a Kitty layer's state and over the chunk itself:
     query [B, Hq, t, D], key_new and value_new [B, H, t, D] (the chunk, not yet in the layer) ->
     [B, Hq, t, D] in the query's dtype. For a prompt prefilled in chunks, with no padding.
@@ -1001,7 +1140,8 @@ def prefill_attention(layer, query: torch.Tensor, key_new: torch.Tensor, value_n
     query rows of each GQA group (up to 16 rows a launch, so a long chunk takes several launches),
     and the combine returns each row's log-sum-exp. The chunk attends to its own tokens as they come
     (FP16, as in the reference engine), in float32, and the two softmaxes are merged by their
-    log-sum-exps. Neither the history's dense FP16 copy nor its memory is needed."""
+    log-sum-exps. Neither the history's dense FP16 copy nor its memory is needed. `key_dots`: see
+    `decode_launches`."""
     b, hq, t, d = query.shape
     h = layer.heads
     rep = hq // h
@@ -1013,7 +1153,7 @@ def prefill_attention(layer, query: torch.Tensor, key_new: torch.Tensor, value_n
         rows = query[:, :, i : i + per]
         n = rows.shape[2]
         o, lse = decode_attention(layer, rows.contiguous().view(b, hq * n, 1, d), scaling, state=state,
-                                  return_lse=True)
+                                  return_lse=True, key_dots=key_dots)
         past[:, :, i : i + n] = o.view(b, hq, n, d)
         past_lse[:, :, i : i + n] = lse.view(b, hq, n)
     # the chunk over itself, causal, and the merge: a block of sequences at a time (scores of up to

@@ -20,7 +20,7 @@ import torch
 from kitty_core.cache import ReferenceEngine
 
 from . import pack
-from .decode import decode_attention, prefill_attention, prefill_launches
+from .decode import decode_attention, key_dots_of, prefill_attention, prefill_launches
 
 # A later prefill chunk attends on the pages when its history takes at most this many decode-kernel
 # launches (16 query rows each: 32 tokens of a GQA group of 4), else over the dense FP16 history if
@@ -34,7 +34,12 @@ class TritonEngine(ReferenceEngine):
     name = "triton"
     device_steps = True  # decode steps can run from device counters (kitty_core.graphs)
 
-    def __init__(self):
+    def __init__(self, key_dots: str | None = None):
+        """`key_dots`: the page kernel's key dots, "fp16" or "int8"; None: by head size
+        (`decode.key_dots_of`)."""
+        if key_dots is not None:
+            key_dots_of(key_dots, 0)  # a clear error now, not at the first decode step
+        self.key_dots = key_dots
         self.workspaces: dict[int, dict] = {}
 
     @staticmethod
@@ -102,14 +107,13 @@ class TritonEngine(ReferenceEngine):
         else:
             layer.insert(key_new, value_new, pack=False)
         ws = self.workspaces.setdefault(layer.layer_idx, {})
-        out = decode_attention(layer, query, scaling, ws, new=new)
+        out = decode_attention(layer, query, scaling, ws, new=new, key_dots=self.key_dots)
         if not device_step:
             layer.pack_full()
         return out.transpose(1, 2), None  # transformers expects [B, t, Hq, D]
 
-    @staticmethod
-    def _chunk_on_pages(layer, query, key_new, value_new, scaling):
-        out = prefill_attention(layer, query, key_new, value_new, scaling)
+    def _chunk_on_pages(self, layer, query, key_new, value_new, scaling):
+        out = prefill_attention(layer, query, key_new, value_new, scaling, self.key_dots)
         layer.insert(key_new, value_new)
         layer.drop_dense_view()
         return out.transpose(1, 2), None

@@ -83,21 +83,25 @@ def launch_defaults() -> dict:
     """The fused kernel's launch settings a default call uses (recorded beside its timings)."""
     import inspect
 
-    from kernels.decode import DEEP, DEEP_WAVES, REGISTER_CAP, combine_warps, decode_attention
+    from kernels.decode import DEEP, DEEP_WAVES, INT8_KEY_DOTS_FROM, REGISTER_CAP, combine_warps, decode_attention
 
     params = inspect.signature(decode_attention).parameters
     return {"num_warps": params["num_warps"].default, "num_stages": 2, "register_cap_by_query_rows": REGISTER_CAP,
             "pages_per_program": "up to 16, by occupancy",
             "deep_grids": {"min_waves": DEEP_WAVES, "stages_and_cap_by_query_rows": DEEP, "pages_per_program": "up to 32"},
             "tail_kernel": "on a second stream, beside the page kernel",
-            "combine_warps_by_partials": {c: combine_warps(c) for c in (8, 16, 32, 64)}}
+            "combine_warps_by_partials": {c: combine_warps(c) for c in (8, 16, 32, 64)},
+            "key_dots": f"int8 from head size {INT8_KEY_DOTS_FROM}, fp16 below"}
 
 
-def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
-    """Per shape and boost rate: the fused kernel, the unfused qk -> softmax -> sv path and SDPA on an
-    FP16 cache of the same shape, timed in this process as CUDA-graph replays (GPU time; `*_eager_ms`:
-    plain calls, host launch cost included); bytes the fused kernel must read."""
-    from kernels.decode import decode_attention, decode_attention_unfused
+def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                  key_dots=(None,)) -> pd.DataFrame:
+    """Per shape, boost rate and page-kernel key dots (None: the default): the fused kernel, the
+    unfused qk -> softmax -> sv path and SDPA on an FP16 cache of the same shape, timed in this
+    process as CUDA-graph replays (GPU time; `*_eager_ms`: plain calls, host launch cost included);
+    bytes the fused kernel must read; the fused output's largest difference from
+    `decode_attention_reference`."""
+    from kernels.decode import decode_attention, decode_attention_reference, decode_attention_unfused, key_dots_of
 
     bw_copy = copy_bandwidth()
     rows = []
@@ -112,24 +116,29 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
         del k16, v16, sdpa
         for boost in boosts:
             layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
-            state, ws = layer.kernel_state(), {}
-            fused = lambda: decode_attention(layer, q, scale, ws, state)  # noqa: E731
+            state = layer.kernel_state()
             unfused = lambda: decode_attention_unfused(layer, q, scale, state)  # noqa: E731
-            fused_ms, unfused_ms = cuda_time(graphed(fused)), cuda_time(graphed(unfused))
-            fused_eager_ms = cuda_time(fused)
+            unfused_ms = cuda_time(graphed(unfused))
+            ref = decode_attention_reference(layer, q, scale).float()
             parts = layer.nbytes()
             read = sum(parts.values()) + q.numel() * q.element_size()
-            rows.append({
-                "batch": batch, "length": length, "boost_rate": boost,
-                "fused_ms": fused_ms, "unfused_ms": unfused_ms, "sdpa_fp16_ms": sdpa_ms,
-                "fused_vs_sdpa": sdpa_ms / fused_ms, "fused_vs_unfused": unfused_ms / fused_ms,
-                "fused_eager_ms": fused_eager_ms, "sdpa_eager_ms": sdpa_eager_ms,
-                "fused_bytes": read, "fused_TBps": read / fused_ms / 1e9, "sdpa_TBps": sdpa_bytes / sdpa_ms / 1e9,
-                "copy_TBps": bw_copy / 1e12,
-            })
-            print(pd.DataFrame(rows[-1:]).to_string(index=False, header=len(rows) == 1, float_format=lambda x: f"{x:.3f}"),
-                  flush=True)
-            del layer, state, ws, fused, unfused
+            for dots in key_dots:
+                ws = {}
+                fused = lambda: decode_attention(layer, q, scale, ws, state, key_dots=dots)  # noqa: E731
+                err = (fused().float() - ref).abs().max().item()
+                fused_ms, fused_eager_ms = cuda_time(graphed(fused)), cuda_time(fused)
+                rows.append({
+                    "batch": batch, "length": length, "boost_rate": boost, "key_dots": key_dots_of(dots, head_dim),
+                    "fused_ms": fused_ms, "unfused_ms": unfused_ms, "sdpa_fp16_ms": sdpa_ms,
+                    "fused_vs_sdpa": sdpa_ms / fused_ms, "fused_vs_unfused": unfused_ms / fused_ms,
+                    "fused_eager_ms": fused_eager_ms, "sdpa_eager_ms": sdpa_eager_ms,
+                    "fused_bytes": read, "fused_TBps": read / fused_ms / 1e9, "sdpa_TBps": sdpa_bytes / sdpa_ms / 1e9,
+                    "copy_TBps": bw_copy / 1e12, "fused_max_abs_err": err,
+                })
+                print(pd.DataFrame(rows[-1:]).to_string(index=False, header=len(rows) == 1,
+                                                        float_format=lambda x: f"{x:.3f}"), flush=True)
+                del ws, fused
+            del layer, state, unfused, ref
             torch.cuda.empty_cache()
     return pd.DataFrame(rows)
 
@@ -391,7 +400,7 @@ def run_e2e(a) -> int:
                 "dtype": str(lm.dtype).removeprefix("torch."), "torch": torch.__version__,
                 "transformers": transformers.__version__, "prompt": a.prompt, "generate": a.generate,
                 "budget_gib": a.budget_gib, "points": a.points, "decode": a.decode, "caches": caches,
-                "fused": is_fused(lm.model)}
+                "fused": is_fused(lm.model), "launch": launch_defaults()}
 
     command = "python -m kitty_core.bench " + " ".join(a.argv)
     settings["runs"] = [{"command": command, "caches": caches}]
@@ -447,6 +456,8 @@ def main(argv=None) -> int:
     k = sub.add_parser("kernels", help="fused decode attention vs SDPA on FP16, Qwen3-8B attention shapes")
     k.add_argument("--shapes", default="64x8192,8x32768,1x131072", help="BATCHxLENGTH,...")
     k.add_argument("--boost", default="0,0.125,0.25")
+    k.add_argument("--key-dots", default=None, help="the page kernel's key dots, fp16, int8 or fp16,int8 "
+                   "(default: the library's for the head size)")
     k.add_argument("--out", type=Path, default=None, help="CSV or JSON file")
     k.add_argument("--sweep", action="store_true", help="instead: time launch settings of the fused kernel")
     k.add_argument("--ablate", action="store_true", help="instead: time diagnostic variants of the fused kernel")
@@ -514,7 +525,8 @@ def main(argv=None) -> int:
         for shape in shapes:
             print(sweep_launch(shape).head(8).to_string(index=False), flush=True)
         return 0
-    df = bench_kernels(shapes, [float(x) for x in a.boost.split(",")])
+    df = bench_kernels(shapes, [float(x) for x in a.boost.split(",")],
+                       key_dots=a.key_dots.split(",") if a.key_dots else (None,))
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}

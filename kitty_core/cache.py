@@ -226,12 +226,22 @@ ENGINES = {"reference": ReferenceEngine}
 
 
 def make_engine(name: str):
-    if name == "triton":
+    """An engine by name: "reference", or "triton" with options as "+name=value", e.g.
+    "triton+key_dots=int8"."""
+    base, *opts = name.split("+")
+    if base == "triton":
         from kernels.engine import TritonEngine  # optional: needs a GPU build of Triton
 
-        return TritonEngine()
-    if name not in ENGINES:
-        raise ValueError(f"engine must be one of {sorted([*ENGINES, 'triton'])}, got {name!r}")
+        kwargs = {}
+        for opt in opts:
+            key, eq, value = opt.partition("=")
+            if key != "key_dots" or not eq:
+                raise ValueError(f"the triton engine takes the option key_dots=..., got {opt!r} in {name!r}")
+            kwargs[key] = value
+        return TritonEngine(**kwargs)
+    if base not in ENGINES or opts:
+        raise ValueError(f"engine must be one of {sorted([*ENGINES, 'triton'])} (triton with +key_dots=...), "
+                         f"got {name!r}")
     return ENGINES[name]()
 
 

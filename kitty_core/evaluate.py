@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated, e.g. fp16,kitty,kitty-pro+selection=random")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--engine", default=None, choices=[None, "reference", "triton"])
+    p.add_argument("--engine", default=None, help="reference | triton | triton+key_dots=int8 (default: triton on a GPU)")
     p.add_argument("--json", type=Path, default=None, help="write {settings, results: [...]} here")
     a = p.parse_args(argv)
     try:

@@ -3,7 +3,10 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from kernels.decode import _key8_plane, _page_scores_i8
 from kitty_core.cache import KittyLayer, ReferenceEngine
 from kitty_core.config import parse_method
 
@@ -128,6 +131,102 @@ def test_partials_of_a_16_bit_model_are_kept_in_its_dtype():
     got = decode_attention(layer, q.to(torch.bfloat16), 0.25, ws, pages_per_program=1)
     assert ws["acc"].dtype == torch.bfloat16 and ws["acc"].shape[2] >= 6 and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@triton.jit
+def _key8_planes(X, Y, BIAS: tl.constexpr):
+    """Every plane of 256 bytes, dense then high (`test_int8_key_planes_are_the_codes_at_their_weights`)."""
+    i = tl.arange(0, 256)
+    x = tl.load(X + i)
+    for p in tl.static_range(4):
+        tl.store(Y + p * 256 + i, _key8_plane(x, p, 0, BIAS))
+        tl.store(Y + (p + 4) * 256 + i, _key8_plane(x, p, 1, BIAS))
+
+
+@triton.jit
+def _int8_scores(QT, QB, RAW, HRAW, KS, KZ, OUT, D: tl.constexpr, R: tl.constexpr, G4: tl.constexpr,
+                 NB: tl.constexpr, BIAS: tl.constexpr):
+    """`_page_scores_i8` of one page head from plain row-major tensors, four planes into OUT."""
+    c, j, t, k = tl.arange(0, D), tl.arange(0, R), tl.arange(0, G4), tl.arange(0, NB)
+    qt = tl.load(QT + c[:, None] * R + j[None, :])
+    qb = tl.load(QB + k[:, None] * R + j[None, :])
+    raw = tl.load(RAW + t[:, None] * D + c[None, :])
+    hraw = tl.load(HRAW + t[:, None] * NB + k[None, :])
+    s0, s1, s2, s3 = _page_scores_i8(qt, qb, raw, hraw, tl.load(KS + c), tl.load(KZ + c), NB, BIAS)
+    at = OUT + t[:, None] * R + j[None, :]
+    tl.store(at, s0)
+    tl.store(at + G4 * R, s1)
+    tl.store(at + 2 * G4 * R, s2)
+    tl.store(at + 3 * G4 * R, s3)
+
+
+def test_int8_key_planes_are_the_codes_at_their_weights():
+    """`_key8_plane` over every byte value: dense plane P holds code P at weight 1 or 4 (planes 1, 3),
+    the high plane 4x that, all as non-negative int8."""
+    from kernels.decode import _bias
+
+    x = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    y = torch.zeros(8, 256, dtype=torch.int8, device=DEVICE)
+    _key8_planes[(1,)](x, y, _bias(None, DEVICE == "cuda"))
+    for p, weight in enumerate((1, 4, 1, 4)):
+        code = (x.int() >> (2 * p)) & 3
+        assert torch.equal(y[p].int(), code * weight)
+        assert torch.equal(y[p + 4].int(), code * weight * 4)
+
+
+def test_int8_page_scores_are_the_rounded_query_against_the_codes():
+    """`_page_scores_i8` for one key page head: the scores of the queries rounded to int8 as its
+    docstring says (127 steps of each head's largest magnitude, the boosted channels' on their own,
+    the residuals' share at the codes' mean taken out), to fp32 rounding; and within the bound that
+    rounding leaves of the exact scores of the dequantized page."""
+    from kernels.decode import _bias
+
+    d, r, g4, nb = (64, 4, 32, 32) if DEVICE == "cuda" else (16, 4, 4, 4)
+    gen = torch.Generator().manual_seed(7)
+    qt = torch.randn(d, r, generator=gen) * torch.linspace(0.1, 3, d)[:, None]
+    ks, kz = torch.rand(d, generator=gen) + 0.05, torch.randn(d, generator=gen)
+    ch = torch.randperm(d, generator=gen)[:nb]  # the boosted channels
+    qb = qt[ch] * ks[ch, None]
+    raw = torch.randint(0, 256, (g4, d), dtype=torch.uint8, generator=gen)
+    hraw = torch.randint(0, 256, (g4, nb), dtype=torch.uint8, generator=gen)
+    out = torch.empty(4, g4, r, device=DEVICE)
+    dev = [x.to(DEVICE) for x in (qt, qb, raw, hraw, ks, kz)]
+    _int8_scores[(1,)](*dev, out, d, r, g4, nb, _bias(None, DEVICE == "cuda"))
+
+    def rounded(x):
+        step = x.abs().amax(0) / 127
+        x8 = torch.round(x / step)
+        assert x8.abs().max() <= 127
+        return x8, step, x8 * step - x
+
+    q8, step, res = rounded(qt * ks[:, None])
+    b8, bstep, bres = rounded(qb)
+    zero = (qt * kz[:, None]).sum(0) - 1.5 * res.sum(0) - 6 * bres.sum(0)
+    for p in range(4):
+        low = ((raw.int() >> (2 * p)) & 3).float()  # [G/4, D]
+        high = ((hraw.int() >> (2 * p)) & 3).float()  # [G/4, NB]
+        want = step * (low @ q8) + bstep * (4 * high @ b8) + zero
+        torch.testing.assert_close(out[p].cpu(), want, atol=1e-4, rtol=1e-5)
+        exact = low @ (qt * ks[:, None]) + 4 * high @ qb + (qt * kz[:, None]).sum(0)
+        bound = (res.abs() * (low - 1.5).abs().max(0).values[:, None]).sum(0)  # per head, the worst token
+        bound = bound + (bres.abs() * 4 * 1.5).sum(0)
+        assert ((out[p].cpu() - exact).abs() <= bound + 1e-4).all()
+
+
+@pytest.mark.parametrize("spec", ["kitty-pro", "kivi-k2v2", "kitty+boost_rate=1.0", "k2v4-sink"])
+def test_fused_decode_with_int8_key_dots_matches_reference(spec):
+    """The fused step with int8 key dots against softmax over the dequantized layer: the query's
+    8-bit rounding moves the outputs by a few 1e-3 here (fp16 key dots: ~2e-3)."""
+    from kernels.decode import decode_attention, decode_attention_reference
+
+    layer = _layer(spec + SMALL, LENS, seed=2)
+    q = torch.randn(len(LENS), 4, 1, DIM, device=DEVICE)
+    ref = decode_attention_reference(layer, q, 0.25)
+    for ppp in (1, 2):
+        torch.testing.assert_close(decode_attention(layer, q, 0.25, pages_per_program=ppp, key_dots="int8"), ref,
+                                   atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="key_dots"):
+        decode_attention(layer, q, 0.25, key_dots="int4")
 
 
 def test_launch_plan_takes_deep_settings_only_for_grids_of_several_waves():
@@ -330,9 +429,10 @@ def test_chunked_prefill_on_the_pages_agrees_with_reference_on_the_demo_model():
 
     lm = load_model("demo", device="cuda", dtype=torch.bfloat16)
     model = lm.model
-    ids = lm.tokenizer(["In the beginning God created the heaven and the earth. " * 40] * 2,
-                       return_tensors="pt").input_ids[:, :480].cuda()
     chunks = [96] + [32] * 12
+    ids = lm.tokenizer(["In the beginning God created the heaven and the earth. " * 48] * 2,
+                       return_tensors="pt").input_ids[:, : sum(chunks)].cuda()
+    assert ids.shape[1] == sum(chunks)
     assert engine.prefill_launches(3, 32) <= engine.SHORT_CHUNK_LAUNCHES
     got = _chunked_prefill(model, KittyCache(model, "kitty-pro", engine="triton"), ids, chunks)
     want = _chunked_prefill(model, KittyCache(model, "kitty-pro", engine="reference"), ids, chunks)
