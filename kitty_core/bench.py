@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -400,7 +401,8 @@ def run_e2e(a) -> int:
                 "dtype": str(lm.dtype).removeprefix("torch."), "torch": torch.__version__,
                 "transformers": transformers.__version__, "prompt": a.prompt, "generate": a.generate,
                 "budget_gib": a.budget_gib, "points": a.points, "decode": a.decode, "caches": caches,
-                "fused": is_fused(lm.model), "launch": launch_defaults()}
+                "fused": is_fused(lm.model), "launch": launch_defaults(),
+                "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
 
     command = "python -m kitty_core.bench " + " ".join(a.argv)
     settings["runs"] = [{"command": command, "caches": caches}]
@@ -481,6 +483,8 @@ def main(argv=None) -> int:
     e.add_argument("--no-fuse", dest="fuse", action="store_false",
                    help="keep transformers' RMSNorm and rotary code (default: one compiled kernel each on a GPU, for every "
                    "cache: kitty_core.fusion)")
+    e.add_argument("--expandable-segments", action="store_true",
+                   help="PyTorch's allocator in expandable segments: less fragmentation near a full GPU")
     e.add_argument("--out", type=Path, default=None, help="JSON file")
     e.add_argument("--merge", action="store_true", help="add to --out: this run's caches replace theirs there, "
                    "the others stay (same model and settings), and the file lists both commands")
@@ -500,6 +504,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
     if a.what == "e2e":
+        if a.expandable_segments:  # read when CUDA's allocator starts, which nothing here has done yet
+            conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
         return run_e2e(a)
     if a.what == "profile":
         return run_profile(a)
