@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from .cache import KittyCache
+from .cache import KittyCache, available_engines
 from .config import parse_method
 from .models import ModelLoadError, load_model
 
@@ -169,7 +169,9 @@ def main(argv=None) -> int:
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         settings = {"model": a.model, "text": _display_path(a.text), "context": a.context, "continuation": a.continuation,
-                    "windows": a.windows, "device": str(lm.device), "dtype": str(lm.dtype)}
+                    "windows": a.windows, "device": str(lm.device), "dtype": str(lm.dtype),
+                    "engine": a.engine or ("triton" if lm.device.type == "cuda" and "triton" in available_engines()
+                                           else "reference")}
         a.json.write_text(json.dumps({"settings": settings, "results": df.to_dict(orient="records")}, indent=2))
     return 0
 

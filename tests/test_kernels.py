@@ -216,7 +216,9 @@ def test_int8_page_scores_are_the_rounded_query_against_the_codes():
 @pytest.mark.parametrize("spec", ["kitty-pro", "kivi-k2v2", "kitty+boost_rate=1.0", "k2v4-sink"])
 def test_fused_decode_with_int8_key_dots_matches_reference(spec):
     """The fused step with int8 key dots against softmax over the dequantized layer: the query's
-    8-bit rounding moves the outputs by a few 1e-3 here (fp16 key dots: ~2e-3)."""
+    8-bit rounding moves the outputs by up to ~1e-2 in the interpreter and ~3e-2 on an H200 (head
+    size 64, where one query head's scores span several units); a misplaced plane or scale moves
+    them by whole units."""
     from kernels.decode import decode_attention, decode_attention_reference
 
     layer = _layer(spec + SMALL, LENS, seed=2)
@@ -224,7 +226,7 @@ def test_fused_decode_with_int8_key_dots_matches_reference(spec):
     ref = decode_attention_reference(layer, q, 0.25)
     for ppp in (1, 2):
         torch.testing.assert_close(decode_attention(layer, q, 0.25, pages_per_program=ppp, key_dots="int8"), ref,
-                                   atol=2e-2, rtol=2e-2)
+                                   atol=5e-2, rtol=5e-2)
     with pytest.raises(ValueError, match="key_dots"):
         decode_attention(layer, q, 0.25, key_dots="int4")
 
@@ -436,5 +438,7 @@ def test_chunked_prefill_on_the_pages_agrees_with_reference_on_the_demo_model():
     assert engine.prefill_launches(3, 32) <= engine.SHORT_CHUNK_LAUNCHES
     got = _chunked_prefill(model, KittyCache(model, "kitty-pro", engine="triton"), ids, chunks)
     want = _chunked_prefill(model, KittyCache(model, "kitty-pro", engine="reference"), ids, chunks)
+    # bf16 logits: up to 0.63 apart (2 of 98,304) on an H200 after 12 chunks on the pages, each
+    # merged with its own attention by log-sum-exp
     for g, w in zip(got, want):
-        torch.testing.assert_close(g.float(), w.float(), atol=0.6, rtol=0.05)
+        torch.testing.assert_close(g.float(), w.float(), atol=0.75, rtol=0.05)
