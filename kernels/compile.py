@@ -3,7 +3,8 @@ of them: registers, spills, shared memory and the SASS instruction mix of each k
 
     python -m kernels.compile                          # Qwen3-8B attention, kitty-pro, sm_90
     python -m kernels.compile --unpack bits,ptx --method kitty+boost_rate=0
-    python -m kernels.compile --key-dots fp16,int8 --unpack ptx
+    python -m kernels.compile --key-dots fp16,int8 --unpack ptx --stages 3 --max-registers 168 \
+        --pages-per-program 32                         # a deep grid's settings (batch 489)
     python -m kernels.compile --warps 4 --max-registers 0
 
 Triton's wheel ships ptxas and cuobjdump, so this needs neither a GPU nor a CUDA install. It shows
@@ -158,6 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--warps", type=int, default=None, help="page kernel warps (default: the launch default)")
     p.add_argument("--max-registers", type=int, default=None, help="page kernel cap (default: the launch "
                    "default; 0: none)")
+    p.add_argument("--stages", type=int, default=None, help="page kernel pipeline stages (default: the launch "
+                   "default)")
+    p.add_argument("--pages-per-program", type=int, default=8)
     p.add_argument("--columns", default="kernel,unpack,key_dots,warps,registers,spill_ops,loop_spill_ops,shared_bytes,instructions,"
                    "loop_instructions,warp_instructions_per_page,"
                    "loop_tensor core,loop_integer/bit,loop_shared,loop_float,loop_shuffle,loop_other")
@@ -167,6 +171,9 @@ def main(argv=None) -> int:
     launch = {} if a.max_registers is None else {"max_registers": a.max_registers or None}
     if a.warps:
         launch["num_warps"] = a.warps
+    if a.stages:
+        launch["num_stages"] = a.stages
+    launch["pages_per_program"] = a.pages_per_program
     key_dots = a.key_dots.split(",") if a.key_dots else (None,)
     df = report(a.method, a.unpack.split(","), a.q_heads, a.kv_heads, a.head_dim, a.arch, key_dots=key_dots, **launch)
     print(df[[c for c in a.columns.split(",") if c in df]].to_string(index=False))
