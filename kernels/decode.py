@@ -320,7 +320,7 @@ def _page_scores_s(qt, qb, raw, hraw, ks, kz, NB: tl.constexpr, BIAS: tl.constex
 # per four), and each dot covers 32 channels, where an fp16 dot covers 16. A plane's two bits are
 # masked where they lie (weight 1) or in the next pair up (weight 4), shifted first where they lie
 # too high: the int8 operands stay below 64, non-negative. The high plane's codes land one pair above
-# the dense plane's weight (x 4, the high bits' weight), so both dots run into one int32 accumulator.
+# the dense plane's weight: x 4, the high bits' weight, with no multiply after the dot.
 #   (right shift, mask) for the dense plane P, and for the high plane P (negative: left shift)
 _KEY8_DENSE = ((0, 0x03), (0, 0x0C), (4, 0x03), (4, 0x0C))
 _KEY8_HIGH = ((-2, 0x0C), (-2, 0x30), (2, 0x0C), (2, 0x30))
@@ -937,9 +937,9 @@ def _bias(unpack: str | None, cuda: bool) -> int:
 
 KEY_DOTS = ("fp16", "int8")  # the page kernel's key dots (`_page_scores_s`, `_page_scores_i8`)
 # head sizes from which the key dots are int8 by default. On an H200 (kitty-pro, bf16, one layer's
-# fused step from a CUDA graph) int8 took 6-8% off the step at head size 128 (the page kernel 8-13%:
-# 64 x 8192 and 489 x 608-8672 tokens) and added 10-12% at head size 64, where the query's
-# rounding is a larger share of a page's work
+# fused step from a CUDA graph) int8 took 3-7% off the step at head size 128 (the page kernel 7-9%:
+# 64 x 8192 and 489 x 608-8672 tokens) and was 7-21% slower at head size 64 (64 x 2048, 256 x 4096),
+# where the query's rounding is a larger share of a page's work
 INT8_KEY_DOTS_FROM = 128
 
 
