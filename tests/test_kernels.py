@@ -442,3 +442,18 @@ def test_chunked_prefill_on_the_pages_agrees_with_reference_on_the_demo_model():
     # merged with its own attention by log-sum-exp
     for g, w in zip(got, want):
         torch.testing.assert_close(g.float(), w.float(), atol=0.75, rtol=0.05)
+
+
+def test_engine_names_carry_the_key_dots():
+    """`KittyCache(..., engine=...)`: "triton+key_dots=int8" reaches the kernels; a wrong option or
+    value is a ValueError that names the choices, before any model runs."""
+    from kitty_core.cache import make_engine
+
+    assert make_engine("triton+key_dots=int8").key_dots == "int8"
+    assert make_engine("triton").key_dots is None  # by head size (`key_dots_of`)
+    with pytest.raises(ValueError, match="fp16, int8"):
+        make_engine("triton+key_dots=int4")
+    with pytest.raises(ValueError, match="key_dots"):
+        make_engine("triton+stages=3")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        make_engine("reference+key_dots=int8")
