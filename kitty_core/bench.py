@@ -339,14 +339,14 @@ def merge_runs(earlier: dict, run: dict, command: str) -> dict:
 
 def _caches(spec: str) -> list[str]:
     """Cache kinds from a comma list; ValueError naming the choices for one that is neither a
-    baseline nor a method."""
-    from .throughput import BASELINES
+    baseline nor a method (optionally "@engine": `throughput.preset_kind`)."""
+    from .throughput import BASELINES, preset_kind
 
     kinds = [c.strip() for c in spec.split(",") if c.strip()]
     for kind in kinds:
         if kind not in BASELINES:
             try:
-                parse_method(kind)
+                preset_kind(kind)
             except ValueError as err:
                 raise ValueError(f"cache {kind!r}: not one of {', '.join(BASELINES)}, and {err}") from err
     return kinds

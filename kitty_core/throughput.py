@@ -186,6 +186,19 @@ def release_compiled(model) -> None:
     _free()
 
 
+def preset_kind(kind: str):
+    """A preset cache kind, "method" or "method@engine" (e.g. "kitty-pro@triton+key_dots=fp16", to
+    time one engine setting beside another in one sweep) -> (KittyConfig, engine name or None).
+    ValueError for an unknown method or engine."""
+    from .cache import make_engine
+
+    method, _, engine = kind.partition("@")
+    config = parse_method(method)
+    if engine:
+        make_engine(engine)
+    return config, engine or None
+
+
 def make_cache(kind: str, model, max_length: int) -> Cache:
     """A fresh, empty cache of one of the kinds above for `model`, sized for `max_length` tokens."""
     config = model.config
@@ -202,7 +215,8 @@ def make_cache(kind: str, model, max_length: int) -> Cache:
             raise CacheUnavailable(f"transformers' QuantizedCache needs a backend: {err}") from err
     if kind == "fp16-prealloc":
         return PreallocatedCache(config, max_length)
-    return KittyCache(model, kind, max_length=max_length)
+    config, engine = preset_kind(kind)
+    return KittyCache(model, config, engine=engine, max_length=max_length)
 
 
 def _kv_shape(model) -> tuple[int, int, torch.dtype, torch.device]:
@@ -398,7 +412,7 @@ def timed_lengths(kind: str, prompt: int, generate: int, points: int, room: int 
     if kind == "fp16-prealloc":  # at the start of a window of its device-driven steps (one graph for all)
         step, offset = PreallocatedCache.WINDOW, 0
     else:
-        c = None if kind in BASELINES else parse_method(kind)
+        c = None if kind in BASELINES else preset_kind(kind)[0]
         if c is None or not c.quantize:
             return lengths
         step, offset = c.group_size, c.sink + c.group_size // 2
@@ -564,7 +578,7 @@ def sweep(model, caches, prompt: int, generate: int, equal_batch: int | None = N
         if stop and stop():
             return
         if kind not in BASELINES:
-            parse_method(kind)  # a clear error for an unknown method before any work
+            preset_kind(kind)  # a clear error for an unknown method or engine before any work
         gen = search(model, kind, length, start, limit, budget_bytes, stop)
         try:
             while True:

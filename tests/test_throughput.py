@@ -225,3 +225,22 @@ def test_a_compiled_decode_that_cannot_be_built_is_skipped_not_fatal(monkeypatch
     assert len(skipped) == 1 and skipped[0]["cache"] == "static-compiled"
     assert "compiled decode failed" in skipped[0]["reason"]
     assert any(what == "point" and row["cache"] == "dynamic" for what, row in rows)
+
+
+def test_a_preset_kind_may_name_its_engine():
+    """"kitty-pro@triton+key_dots=fp16" times one engine setting beside another in one sweep: the
+    cache gets that engine, the timed lengths are the preset's, a wrong engine is refused up front."""
+    from conftest import tiny_model
+    from kitty_core.bench import _caches
+    from kitty_core.throughput import make_cache
+
+    model = tiny_model("llama")
+    cache = make_cache("kitty-pro@triton+key_dots=fp16", model, 64)
+    assert cache.engine.name == "triton" and cache.engine.key_dots == "fp16"
+    assert make_cache("kitty-pro@reference", model, 64).engine.name == "reference"
+    assert timed_lengths("kitty-pro@reference", 512, 8192, 3) == timed_lengths("kitty-pro", 512, 8192, 3)
+    assert _caches("fp16-prealloc, kitty-pro@triton+key_dots=int8") == ["fp16-prealloc", "kitty-pro@triton+key_dots=int8"]
+    with pytest.raises(ValueError, match="key_dots"):
+        _caches("kitty-pro@triton+key_dots=int4")
+    with pytest.raises(ValueError, match="engine must be one of"):
+        _caches("kitty-pro@cuda")
