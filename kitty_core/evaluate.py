@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from .cache import KittyCache, available_engines
+from .cache import KittyCache, available_engines, make_engine
 from .config import parse_method
 from .models import ModelLoadError, load_model
 
@@ -157,6 +157,8 @@ def main(argv=None) -> int:
     try:
         for m in a.methods.split(","):
             parse_method(m.strip())
+        if a.engine:
+            make_engine(a.engine)  # a wrong engine name fails here, before the model loads
         text = a.text.read_text()
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
         df = evaluate(lm.model, lm.tokenizer, a.methods, text, a.context, a.continuation, a.windows, a.engine,

@@ -33,3 +33,25 @@ def test_page_kernel_compiles_for_sm90_without_spills_in_its_loop():
     assert pages["loop_instructions"] > 0  # the page loop was found
     bits = rows[("_decode_pages_kernel", "bits")]
     assert pages["loop_integer/bit"] < 0.5 * bits["loop_integer/bit"]
+
+
+KEY_DOTS_SCRIPT = (
+    "import json; from kernels.compile import report; "
+    "print(json.dumps(report('kitty-pro', ('ptx',), key_dots=('fp16', 'int8'), num_stages=3, max_registers=168, "
+    "pages_per_program=32).iloc[1:].to_dict(orient='records')))"
+)
+
+
+def test_int8_key_dots_compile_to_int8_tensor_cores_without_spills_at_a_deep_grids_settings():
+    """The int8 key dots at batch 489's launch settings (3 stages, 168 registers): spill-free, with
+    fewer tensor-core and integer instructions per page than the fp16 dots (the key unpacking)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", KEY_DOTS_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["key_dots"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
+    fp16, int8 = rows["fp16"], rows["int8"]
+    assert int8["spill_ops"] == 0 and fp16["spill_ops"] == 0
+    assert int8["loop_tensor core"] < fp16["loop_tensor core"]
+    assert int8["loop_integer/bit"] < 0.8 * fp16["loop_integer/bit"]
