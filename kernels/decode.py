@@ -155,8 +155,19 @@ def _widen(raw, BIAS: tl.constexpr):
 
 
 @triton.jit
-def _scaled_asm(wide, ASM: tl.constexpr):
-    return tl.inline_asm_elementwise(ASM, "=r,r", [wide], dtype=tl.float16, is_pure=True, pack=2)
+def _plane_asm(x, P: tl.constexpr, A0: tl.constexpr, A1: tl.constexpr, A2: tl.constexpr, A3: tl.constexpr,
+               DTYPE: tl.constexpr, PACK: tl.constexpr):
+    """x through the one-register PTX of plane P (A0..A3: one string per plane, chosen at compile
+    time), PACK elements a register, results of type DTYPE."""
+    if P == 0:
+        asm: tl.constexpr = A0
+    elif P == 1:
+        asm: tl.constexpr = A1
+    elif P == 2:
+        asm: tl.constexpr = A2
+    else:
+        asm: tl.constexpr = A3
+    return tl.inline_asm_elementwise(asm, "=r,r", [x], dtype=DTYPE.value, is_pure=True, pack=PACK)
 
 
 @triton.jit
@@ -165,13 +176,7 @@ def _scaled_plane(wide, P: tl.constexpr, BIAS: tl.constexpr):
     the plane's bits are masked in place, not shifted down (the 4^P is taken out after the dot).
     BIAS 2: two codes per instruction in PTX (CUDA only); else element by element."""
     if BIAS == 2:
-        if P == 0:
-            return _scaled_asm(wide, _SCALED0)
-        elif P == 1:
-            return _scaled_asm(wide, _SCALED1)
-        elif P == 2:
-            return _scaled_asm(wide, _SCALED2)
-        return _scaled_asm(wide, _SCALED3)
+        return _plane_asm(wide, P, _SCALED0, _SCALED1, _SCALED2, _SCALED3, tl.float16, 2)
     return ((wide & (3 << (2 * P))) | 0x6400).to(tl.float16, bitcast=True)
 
 
@@ -340,30 +345,13 @@ _K8H0, _K8H1, _K8H2, _K8H3 = [tl.constexpr(_key8_ptx(*sm)) for sm in _KEY8_HIGH]
 
 
 @triton.jit
-def _key8_asm(raw, ASM: tl.constexpr):
-    return tl.inline_asm_elementwise(ASM, "=r,r", [raw], dtype=tl.int8, is_pure=True, pack=4)
-
-
-@triton.jit
 def _key8_plane(raw, P: tl.constexpr, HIGH: tl.constexpr, BIAS: tl.constexpr):
     """Plane P of packed key bytes as int8 codes at the weight `_KEY8_DENSE` / `_KEY8_HIGH` give.
     BIAS 2: four codes per one or two PTX instructions (CUDA only); else element by element."""
     if BIAS == 2:
         if HIGH:
-            if P == 0:
-                return _key8_asm(raw, _K8H0)
-            elif P == 1:
-                return _key8_asm(raw, _K8H1)
-            elif P == 2:
-                return _key8_asm(raw, _K8H2)
-            return _key8_asm(raw, _K8H3)
-        if P == 0:
-            return _key8_asm(raw, _K8D0)
-        elif P == 1:
-            return _key8_asm(raw, _K8D1)
-        elif P == 2:
-            return _key8_asm(raw, _K8D2)
-        return _key8_asm(raw, _K8D3)
+            return _plane_asm(raw, P, _K8H0, _K8H1, _K8H2, _K8H3, tl.int8, 4)
+        return _plane_asm(raw, P, _K8D0, _K8D1, _K8D2, _K8D3, tl.int8, 4)
     w = raw.to(tl.int32)
     if HIGH:
         if P < 2:
