@@ -61,8 +61,11 @@ def _pack_keys_kernel(X, sXn, sXh, sXt, sXd, QR, sQRn, sQRh,
     d = tl.arange(0, D)
     p = tl.arange(0, 4)
     g = tl.arange(0, G4)
-    tok = p[None, :, None] * G4 + g[None, None, :]
-    x = tl.load(X + n * sXn + h * sXh + d[:, None, None] * sXd + tok * sXt).to(tl.float32)  # [D, 4, G/4]
+    # loaded as the keys lie, [4, G/4, D] (a token's channels side by side), then turned to the
+    # packing's [D, 4, G/4]: a load along tokens would read 2 bytes a token from G cache lines
+    tok = p[:, None, None] * G4 + g[None, :, None]
+    x = tl.load(X + n * sXn + h * sXh + tok * sXt + d[None, None, :] * sXd)
+    x = tl.permute(x, (2, 0, 1)).to(tl.float32)  # [D, 4, G/4]
     lo = tl.min(tl.min(x, 2), 1)
     hi = tl.max(tl.max(x, 2), 1)
     if NB == D:

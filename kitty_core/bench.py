@@ -295,6 +295,9 @@ def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
             "peak_GiB": float(at_max["peak_bytes"].iloc[0]) / 2**30 if len(at_max) and at_max["peak_bytes"].notna().all() else None,
             "kv_bytes_per_token": float(at_max["kv_bytes_per_token"].iloc[0]) if len(at_max) else None,
             "tokens_per_s_max_batch": float(at_max["tokens_per_s"].iloc[0]) if len(at_max) else None,
+            # a step that packs pages, beyond one that does not (presets; once every G steps)
+            "packing_ms_max_batch": float(at_max["packing_ms"].iloc[0])
+            if len(at_max) and "packing_ms" in at_max and at_max["packing_ms"].notna().all() else None,
             # the batch that throughput was measured at: below the max batch if the prefill needed room
             "measured_at_batch": int(at_max["batch"].iloc[0]) if len(at_max) else None,
             "equal_batch": int(at_eq["batch"].iloc[0]) if len(at_eq) else (int(at_max["batch"].iloc[0]) if len(at_max) else None),
@@ -314,7 +317,7 @@ def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
 
 
 SETUP = ("model", "shape", "gpu", "dtype", "torch", "transformers", "prompt", "generate", "budget_gib", "points",
-         "decode", "fused")
+         "decode", "fused", "alloc_conf")
 
 
 def same_setup(a: dict, b: dict) -> bool:

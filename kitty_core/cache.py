@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+import numpy as np
 import pandas as pd
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -112,7 +113,11 @@ class Fp16Region:
 class PagePool:
     """Pages of one kind (KeyPages or ValuePages) in field-wise tensors [P, ...], grown by doubling.
 
-    Each sequence keeps the ids of its pages in order (`table[b]`), as a paged KV cache does.
+    Each sequence keeps the ids of its pages in order, as a paged KV cache does: row b of a page
+    table held twice, on the host (`ids` [B, width] and `n` [B], numpy) for the cache's own logic and
+    on the device (`device_ids`, `device_n`, int32) for the kernels. Adding pages writes the new
+    entries into both with a few vector operations, so a batch of hundreds of sequences packing a
+    page each (every G decode steps) costs no Python per sequence and no rebuilt table.
     The packed code planes are stored with their last two dims swapped in memory and held as
     transposed views, so that they read as the page format does while the axis a decode kernel
     reduces over is the contiguous one: key channels (dense [D, G/4] is channel-contiguous, high
@@ -122,32 +127,78 @@ class PagePool:
 
     PLANES = ("dense", "high", "low")
 
-    def __init__(self, kind: type, batch: int):
+    def __init__(self, kind: type, batch: int, device, width: int = 16):
         self.kind = kind
         self.store: dict[str, torch.Tensor] | None = None
         self.count = 0
-        self.table: list[list[int]] = [[] for _ in range(batch)]
+        self.n = np.zeros(batch, dtype=np.int64)
+        self.ids = np.zeros((batch, width), dtype=np.int32)
+        self.device_n = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.device_ids = torch.zeros((batch, width), dtype=torch.int32, device=device)
+
+    @property
+    def table(self) -> list[list[int]]:
+        """Each sequence's page ids, in order (a copy)."""
+        return [row[:k].tolist() for row, k in zip(self.ids, self.n)]
+
+    def pages_of(self, b: int) -> int:
+        return int(self.n[b])
+
+    def reserve_slots(self, width: int) -> None:
+        """Room for `width` pages per sequence in the tables. The device tables move only here, so
+        a CUDA graph that captured them stays valid while no sequence outgrows the width."""
+        if width <= self.ids.shape[1]:
+            return
+        ids = np.zeros((len(self.n), width), dtype=np.int32)
+        ids[:, : self.ids.shape[1]] = self.ids
+        device_ids = self.device_ids.new_zeros((len(self.n), width))
+        device_ids[:, : self.ids.shape[1]] = self.device_ids
+        self.ids, self.device_ids = ids, device_ids
+
+    def _room(self, need: int) -> None:
+        if need > self.ids.shape[1]:
+            self.reserve_slots(max(need, 2 * self.ids.shape[1]))
 
     def add(self, b: int, pages: KeyPages | ValuePages) -> None:
-        self._store(pages)
-        n = next(iter(vars(pages).values())).shape[0]
-        self.table[b].extend(range(self.count - n, self.count))
+        """pages [n, ...]: n new pages for sequence b."""
+        n = self._store(pages)
+        first, at = self.count - n, int(self.n[b])
+        self._room(at + n)
+        self.ids[b, at : at + n] = np.arange(first, self.count)
+        self.device_ids[b, at : at + n] = torch.arange(first, self.count, dtype=torch.int32, device=self.device_ids.device)
+        self.n[b] += n
+        self.device_n[b] += n
 
     def add_all(self, pages: KeyPages | ValuePages) -> None:
-        """pages [B * n, ...], sequence-major: n new pages for every sequence."""
-        self._store(pages)
-        per = next(iter(vars(pages).values())).shape[0] // len(self.table)
-        first = self.count - per * len(self.table)
-        for b, ids in enumerate(self.table):
-            ids.extend(range(first + b * per, first + (b + 1) * per))
+        """pages [B * n, ...], sequence-major: n new pages for every sequence, which all hold the
+        same number of pages (a batch without padding)."""
+        batch = len(self.n)
+        per = self._store(pages) // batch
+        first, at = self.count - per * batch, int(self.n[0])
+        if (self.n != at).any():
+            raise RuntimeError("add_all needs every sequence at the same page count; use add_rows")
+        self._room(at + per)
+        self.ids[:, at : at + per] = first + np.arange(batch * per, dtype=np.int32).reshape(batch, per)
+        self.device_ids[:, at : at + per] = first + torch.arange(
+            batch * per, dtype=torch.int32, device=self.device_ids.device).reshape(batch, per)
+        self.n += per
+        self.device_n += per
 
     def add_rows(self, rows: list[int], pages: KeyPages | ValuePages) -> None:
-        """pages [len(rows), ...]: one new page for each listed sequence."""
-        self._store(pages)
-        for i, b in enumerate(rows):
-            self.table[b].append(self.count - len(rows) + i)
+        """pages [len(rows), ...]: one new page for each listed sequence (distinct)."""
+        n = self._store(pages)
+        rows_h = np.asarray(rows)
+        at = self.n[rows_h]
+        self._room(int(at.max()) + 1)
+        ids = np.arange(self.count - n, self.count, dtype=np.int32)
+        self.ids[rows_h, at] = ids
+        dev = self.device_ids.device
+        rows_d = torch.from_numpy(rows_h).to(dev, non_blocking=True)
+        self.device_ids[rows_d, torch.from_numpy(at).to(dev, non_blocking=True)] = torch.from_numpy(ids).to(dev)
+        self.n[rows_h] += 1
+        self.device_n[rows_d] += 1
 
-    def _store(self, pages: KeyPages | ValuePages) -> None:
+    def _store(self, pages: KeyPages | ValuePages) -> int:
         n = next(iter(vars(pages).values())).shape[0]
         if self.store is None:
             self.store = {f.name: self._zeros(f.name, getattr(pages, f.name), 0) for f in fields(pages)}
@@ -161,13 +212,13 @@ class PagePool:
         for f in fields(pages):
             self.store[f.name][self.count : self.count + n] = getattr(pages, f.name)
         self.count += n
+        return n
 
     def pages(self, b: int, first: int = 0) -> KeyPages | ValuePages | None:
         """Pages first, first+1, ... of sequence b, gathered (None if there are none)."""
-        ids = self.table[b][first:]
-        if not ids:
+        if first >= self.n[b]:
             return None
-        index = torch.tensor(ids, device=next(iter(self.store.values())).device)
+        index = self.device_ids[b, first : self.n[b]]
         return self.kind(**{name: t.index_select(0, index) for name, t in self.store.items()})
 
     def reserve(self, template: KeyPages | ValuePages, pages: int) -> None:
@@ -279,16 +330,16 @@ class KittyLayer(CacheLayerMixin):
             self.k_sink, self.v_sink = mk(c.sink), mk(c.sink)
             self.k_buffer = mk(c.group_size)
             self.v_window = mk(c.local_window + c.group_size)
-        self.k_pages = PagePool(KeyPages, b)
-        self.v_pages = PagePool(ValuePages, b)
+        width = self.capacity_slots() if self.max_length else 16
+        self.k_pages = PagePool(KeyPages, b, self.device, width)
+        self.v_pages = PagePool(ValuePages, b, self.device, width)
         if c.quantize and self.max_length:
             pages = b * max(0, self.max_length - c.sink) // c.group_size
             x = torch.zeros((1, h, c.group_size, d), device=self.device)
             self.k_pages.reserve(quantize_keys(x, self.n_boost), pages)
             self.v_pages.reserve(quantize_values(x, c.value_bits), pages)
         self._view_k = self._view_v = None  # dense view for the reference engine, see dense_history
-        self._clean = [0] * b
-        self._tables = None  # device page tables for kernels, rebuilt when pages are added
+        self._clean = np.zeros(b, dtype=np.int64)  # tokens of each sequence the dense view holds as they are now
         self._pads = None  # (pads, the same on the device) for kernel_state
         # running sum of squared queries per sequence, KV head and channel (for selection="qk")
         self.q_energy = torch.zeros((b, h, d), dtype=torch.float32, device=self.device)
@@ -369,7 +420,7 @@ class KittyLayer(CacheLayerMixin):
         if keys:  # one page for each of these sequences, packed in one call
             dev = self.device
             for b in keys:
-                self._dirty(b, self.k_sink.lens[b] + len(self.k_pages.table[b]) * g)
+                self._dirty(b, self.k_sink.lens[b] + self.k_pages.pages_of(b) * g)
             rms = None
             if c.selection == "qk":
                 idx = torch.tensor(keys, device=dev)
@@ -381,7 +432,7 @@ class KittyLayer(CacheLayerMixin):
         if values:  # the oldest G values of each full window become a page; the newest R move up
             idx = torch.tensor(values, device=self.device)
             for b in values:
-                self._dirty(b, self.v_sink.lens[b] + len(self.v_pages.table[b]) * g)
+                self._dirty(b, self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
             window = self.v_window.buf[idx]  # [n, H, R + G, D]
             self.v_pages.add_rows(values, self.engine.quantize_values(window[:, :, :g], c.value_bits))
             self.v_window.buf[idx, :, :r] = window[:, :, g:]
@@ -396,7 +447,9 @@ class KittyLayer(CacheLayerMixin):
     def start_steps(self, counters) -> None:
         """Decode steps from `counters` (None: from the host's state again)."""
         self.steps = counters
-        self._tables = None  # rebuilt at the width the steps need (the capacity's, then refreshed in place)
+        if counters is not None and self.is_initialized:  # tables that do not move while graphs hold them
+            self.k_pages.reserve_slots(self.capacity_slots())
+            self.v_pages.reserve_slots(self.capacity_slots())
 
     def advance_host(self) -> bool:
         """The host's record of a token a device-driven step wrote into the key q-buffer and the value
@@ -475,7 +528,7 @@ class KittyLayer(CacheLayerMixin):
             self.k_buffer.clear(b)
         full = k.shape[1] // g * g
         if full:
-            self._dirty(b, self.k_sink.lens[b] + len(self.k_pages.table[b]) * g)
+            self._dirty(b, self.k_sink.lens[b] + self.k_pages.pages_of(b) * g)
             pages = k[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)  # [N, H, G, D]
             self.k_pages.add(b, self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator,
                                                           self._query_rms(b)))
@@ -485,7 +538,7 @@ class KittyLayer(CacheLayerMixin):
         self.v_window.clear(b)
         full = max(window.shape[1] - c.local_window, 0) // g * g
         if full:
-            self._dirty(b, self.v_sink.lens[b] + len(self.v_pages.table[b]) * g)
+            self._dirty(b, self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
             pages = window[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)
             self.v_pages.add(b, self.engine.quantize_values(pages, c.value_bits))
         self.v_window.append(b, window[:, full:])
@@ -505,24 +558,21 @@ class KittyLayer(CacheLayerMixin):
             self.v_window.append_all(v)
             return
         g, bsz, h, d = c.group_size, self.batch, self.heads, self.head_dim
-        if self.k_buffer.lens[0]:
-            k = torch.cat([self.k_buffer.tokens_all(), k], dim=2)
-            self.k_buffer.clear_all()
-        full = k.shape[2] // g * g
-        if full:
-            self._dirty_all(self.k_sink.lens[0] + len(self.k_pages.table[0]) * g)
-            pages = k[:, :, :full].reshape(bsz, h, -1, g, d).transpose(1, 2).reshape(-1, h, g, d)  # [B * N, H, G, D]
-            rms = self._query_rms_all(full // g)
-            self.k_pages.add_all(self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator, rms))
-        self.k_buffer.append_all(k[:, :, full:])
-        window = torch.cat([self.v_window.tokens_all(), v], dim=2)
-        self.v_window.clear_all()
-        full = max(window.shape[2] - c.local_window, 0) // g * g
-        if full:
-            self._dirty_all(self.v_sink.lens[0] + len(self.v_pages.table[0]) * g)
-            pages = window[:, :, :full].reshape(bsz, h, -1, g, d).transpose(1, 2).reshape(-1, h, g, d)
-            self.v_pages.add_all(self.engine.quantize_values(pages, c.value_bits))
-        self.v_window.append_all(window[:, :, full:])
+
+        def pages_of(x):  # [B, H, N * G, D] -> [B * N, H, G, D], sequence-major (a view for N = 1)
+            return x.reshape(bsz, h, -1, g, d).transpose(1, 2).reshape(-1, h, g, d)
+
+        def pack_keys(x):
+            self._dirty_all(self.k_sink.lens[0] + self.k_pages.pages_of(0) * g)
+            rms = self._query_rms_all(x.shape[2] // g)
+            self.k_pages.add_all(self.engine.quantize_keys(pages_of(x), self.n_boost, c.selection, self.generator, rms))
+
+        def pack_values(x):
+            self._dirty_all(self.v_sink.lens[0] + self.v_pages.pages_of(0) * g)
+            self.v_pages.add_all(self.engine.quantize_values(pages_of(x), c.value_bits))
+
+        _fill_and_pack(self.k_buffer, k, 0, g, pack_keys)  # keys: every G tokens become a page
+        _fill_and_pack(self.v_window, v, c.local_window, g, pack_values)  # values: the newest R stay
 
     def _query_rms_all(self, pages_per_sequence: int) -> torch.Tensor | None:
         if self.config.selection != "qk":
@@ -531,12 +581,12 @@ class KittyLayer(CacheLayerMixin):
         return rms.repeat_interleave(pages_per_sequence, dim=0)
 
     def _dirty_all(self, token: int) -> None:
-        self._clean = [min(c, token) for c in self._clean]
+        np.minimum(self._clean, token, out=self._clean)
 
     def drop_dense_view(self) -> None:
         """Free the reference engine's dense working view (rebuilt from the packed state on demand)."""
         self._view_k = self._view_v = None
-        self._clean = [0] * self.batch
+        self._clean[:] = 0
 
     def kernel_state(self) -> dict:
         """What a decode kernel reads: FP16 regions, page pools, page tables and per-sequence counts.
@@ -565,28 +615,10 @@ class KittyLayer(CacheLayerMixin):
         }
 
     def page_tables(self) -> dict:
-        """The device page tables, rebuilt when pages were added. During device-driven steps they span
-        the capacity and are refreshed in place, since a captured step holds their addresses."""
-        version = (self.k_pages.count, self.v_pages.count)
-        if self._tables is None or self._tables[0] != version:
-            tables = self._page_tables(self.capacity_slots() if self.steps is not None else 1)
-            if self.steps is not None and self._tables is not None:
-                for name, t in tables.items():
-                    self._tables[1][name].copy_(t)
-                tables = self._tables[1]
-            self._tables = (version, tables)
-        return self._tables[1]
-
-    def _page_tables(self, width: int) -> dict:
-        """Device page tables [B, slots] (at least `width` slots) and page counts [B] of both pools (a
-        slot beyond the pages of a sequence holds 0; kernels never read it)."""
-        dev = self.device
-        slots = max(width, max(len(t) for t in self.k_pages.table))
-        def table(pool):
-            return torch.tensor([ids + [0] * (slots - len(ids)) for ids in pool.table], dtype=torch.int32).to(dev)
-        count = lambda pool: torch.tensor([len(t) for t in pool.table], dtype=torch.int32, device=dev)  # noqa: E731
-        return {"n_kpages": count(self.k_pages), "n_vpages": count(self.v_pages),
-                "k_table": table(self.k_pages), "v_table": table(self.v_pages)}
+        """The device page tables [B, width] and page counts [B] of both pools, as the pools keep them
+        (`PagePool`; a slot beyond a sequence's pages holds 0, which kernels never read)."""
+        return {"n_kpages": self.k_pages.device_n, "n_vpages": self.v_pages.device_n,
+                "k_table": self.k_pages.device_ids, "v_table": self.v_pages.device_ids}
 
     def sequence_history(self, b: int, dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [H, n_b - start, D] of sequence b from token `start` on, as attention sees
@@ -599,7 +631,7 @@ class KittyLayer(CacheLayerMixin):
             g = c.group_size
             for parts, pool, tail, dequant in ((keys, self.k_pages, self.k_buffer, dequantize_keys),
                                                (values, self.v_pages, self.v_window, dequantize_values)):
-                n_pages = len(pool.table[b])
+                n_pages = pool.pages_of(b)
                 first = max(start - n_sink, 0) // g if start > n_sink else 0
                 if first < n_pages:
                     parts.append((n_sink + first * g, _flatten_pages(dequant(pool.pages(b, first), dtype))))
@@ -618,10 +650,10 @@ class KittyLayer(CacheLayerMixin):
             g = c.group_size
             for parts, pool, tail, dequant in ((keys, self.k_pages, self.k_buffer, dequantize_keys),
                                                (values, self.v_pages, self.v_window, dequantize_values)):
-                n_pages = len(pool.table[0])
+                n_pages = pool.pages_of(0)
                 first = max(start - n_sink, 0) // g if start > n_sink else 0
                 if first < n_pages:
-                    ids = torch.tensor([t[first:] for t in pool.table[rows]], device=self.device).flatten()
+                    ids = pool.device_ids[rows, first:n_pages].flatten()
                     pages = dequant(pool.kind(**{k: v.index_select(0, ids) for k, v in pool.store.items()}), dtype)
                     _, h, _, d = pages.shape  # [block x pages, H, G, D], sequence-major
                     per = n_pages - first
@@ -636,7 +668,7 @@ class KittyLayer(CacheLayerMixin):
         since the last call, so a decode step costs O(new tokens), not O(history)."""
         if self._view_k is not None and self._view_k.dtype != dtype:
             self._view_k = self._view_v = None
-            self._clean = [0] * self.batch
+            self._clean[:] = 0
         cap = 0 if self._view_k is None else self._view_k.shape[2]
         if self.seen == 0:
             empty = torch.zeros((self.batch, self.heads, 0, self.head_dim), dtype=dtype, device=self.device)
@@ -648,19 +680,19 @@ class KittyLayer(CacheLayerMixin):
             if cap:
                 grown_k[:, :, :cap], grown_v[:, :, :cap] = self._view_k, self._view_v
             self._view_k, self._view_v = grown_k, grown_v
-        lockstep = not any(self.pad) and len(set(self._clean)) == 1
+        lockstep = not any(self.pad) and (self._clean == self._clean[0]).all()
         if lockstep and self._clean[0] < self.seen:
             # blocks of sequences of about 2^24 elements on a GPU (few launches), 2^20 on a CPU (in cache)
             budget = 1 << (24 if self.device.type == "cuda" else 20)
-            start, step = self._clean[0], max(1, budget // (self.heads * self.head_dim * self.seen))
+            start, step = int(self._clean[0]), max(1, budget // (self.heads * self.head_dim * self.seen))
             for first in range(0, self.batch, step):
                 rows = slice(first, min(first + step, self.batch))
                 k, v = self.block_history(rows, dtype, start)
                 self._view_k[rows, :, start : self.seen] = k
                 self._view_v[rows, :, start : self.seen] = v
-            self._clean = [self.seen] * self.batch
+            self._clean[:] = self.seen
         for b in range(self.batch):
-            start, n = self._clean[b], self.tokens(b)
+            start, n = int(self._clean[b]), self.tokens(b)
             if start < n:
                 k, v = self.sequence_history(b, dtype, start)
                 at = self.pad[b] + start
@@ -687,6 +719,25 @@ class KittyLayer(CacheLayerMixin):
             parts["value planes"] = v["low"] + v["high"]
             parts["value scales/zeros"] = v["scale"] + v["zero"]
         return parts
+
+
+def _fill_and_pack(region: Fp16Region, new: torch.Tensor, keep: int, g: int, pack) -> None:
+    """Append `new` [B, H, n, D] to a region whose sequences all hold the same tokens, and pass its
+    oldest whole pages of G tokens, all but at least `keep` of them, to `pack` ([B, H, N * G, D]).
+    Tokens already held are read where they are: a decode step's packing, which brings no new
+    tokens, copies only the tokens that stay, down to the region's start."""
+    held = region.tokens_all()
+    full = max(held.shape[2] + new.shape[2] - keep, 0) // g * g
+    if not full:
+        region.append_all(new)
+        return
+    x = torch.cat([held, new], dim=2) if held.shape[2] and new.shape[2] else (new if new.shape[2] else held)
+    pack(x[:, :, :full])
+    rest = x[:, :, full:]
+    if x is held and rest.shape[2] > full:  # the tokens that stay would move down over themselves
+        rest = rest.clone()
+    region.clear_all()
+    region.append_all(rest)
 
 
 def _join_from(parts: list[tuple[int, torch.Tensor]], start: int, dtype) -> torch.Tensor:
@@ -756,6 +807,16 @@ class KittyCache(Cache):
     def nbytes(self) -> int:
         return int(self.memory_report()["bytes"].sum())
 
+    def steps_to_pack(self) -> int | None:
+        """Decode steps (one token per sequence) until the one that packs pages: 1 if the next step
+        does. None for a cache that never packs (FP16) or a padded batch, whose sequences pack at
+        different steps."""
+        first = self.layers[0]
+        c = self.config
+        if not c.quantize or not first.is_initialized or any(first.pad) or min(first.k_sink.lens) < c.sink:
+            return None
+        return min(c.group_size - first.k_buffer.lens[0], c.local_window + c.group_size - first.v_window.lens[0])
+
     # -- decode steps from device counters (the protocol of kitty_core.graphs) --------------------
     def begin_device_steps(self) -> None:
         first = self.layers[0]
@@ -780,8 +841,6 @@ class KittyCache(Cache):
     def sync_device_steps(self) -> None:
         first = self.layers[0]
         self.counters.set([first.k_buffer.lens, first.v_window.lens], [n + 1 for n in self.held_tokens()])
-        for layer in self.layers:
-            layer.page_tables()  # refreshed now, eagerly: a captured step only reads them
 
     def end_device_steps(self) -> None:
         for layer in self.layers:

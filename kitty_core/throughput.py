@@ -427,6 +427,19 @@ def timed_lengths(kind: str, prompt: int, generate: int, points: int, room: int 
     return [place(n) for n in lengths]
 
 
+def pack_steps(kind: str, start: int, end: int) -> int:
+    """Decode steps that pack pages while a batch of sequences (no padding) grows from `start` to
+    `end` tokens: a page of keys when the key q-buffer fills (n - S a multiple of G), a page of
+    values when the window holds R + G (n - S - R a multiple of G, from n - S = R + G), at most one
+    packing step each. 0 for a cache that does not pack."""
+    c = None if kind in BASELINES else preset_kind(kind)[0]
+    if c is None or not c.quantize:
+        return 0
+    s, g, r = c.sink, c.group_size, c.local_window
+    return sum(1 for n in range(start + 1, end + 1)
+               if n > s and ((n - s) % g == 0 or (n - s - r >= g and (n - s - r) % g == 0)))
+
+
 PREFILL_CHUNKS = (512, 128, 32)  # prompt tokens per prefill forward, tried in this order
 
 
@@ -474,7 +487,8 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
 
     prefill_s = _timed(prefill)
     step_ms, step, sync, mode = [], None, None, "eager"
-    for n in lengths:
+    pack_ms, packs = None, pack_steps(kind, prompt, prompt + generate)
+    for i, n in enumerate(lengths):
         grow = n - cache.get_seq_length()
         if grow > 0:
             fill(cache, model, batch, grow)
@@ -485,6 +499,9 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
             step()  # warm-up at this length (a graph's first step at a new shape runs eagerly and captures it)
         # consecutive steps, one sync: the host runs ahead of the GPU as in a real decode loop
         step_ms.append(1e3 * _timed(lambda: [step() for _ in range(steps)]) / steps)
+        if packs and pack_ms is None:
+            until = lengths[i + 1] if i + 1 < len(lengths) else prompt + generate
+            pack_ms = _packing_ms(cache, step, steps, until)
     # KV bytes per token as a whole generation holds them: filled to the end (a preallocated cache's
     # allocations do not change; one that grows, or packs, takes its last tokens)
     rest = prompt + generate - cache.get_seq_length()
@@ -496,12 +513,31 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
     del cache, step, sync
     _free()
     decode_s = integrate(lengths, step_ms, prompt, prompt + generate) / 1e3
+    if packs and pack_ms is not None:
+        decode_s += packs * max(pack_ms, 0.0) / 1e3
     return {"cache": kind, "batch": batch, "prompt": prompt, "generate": generate, "prefill_chunk": prefill_chunk,
-            "decode": mode, "prefill_s": prefill_s,
+            "decode": mode, "prefill_s": prefill_s, "packing_steps": packs, "packing_ms": pack_ms,
             "decode_s": decode_s, "tokens_per_s": batch * generate / (prefill_s + decode_s),
             "decode_tokens_per_s": batch * generate / decode_s, "peak_bytes": peak, "base_bytes": base,
             "kv_bytes": kv, "kv_bytes_per_token": kv / (batch * tokens_held), "working_view_bytes": view,
             **{f"step_ms@{n}": ms for n, ms in zip(lengths, step_ms)}}
+
+
+def _packing_ms(cache, step, steps: int, until: int) -> float | None:
+    """What a decode step that packs pages costs beyond one that does not, in ms: steps (untimed) up
+    to the next one that packs, that one timed alone, then `steps` more timed one by one, each
+    between two synchronizations, so both sides pay the same. Serial: in a generation the host's
+    share of the packing overlaps steps already queued, so this is an upper bound. None where the
+    steps to it would pass `until` tokens (the next timed length, or the cache's end) or the cache
+    cannot say when it packs."""
+    k = cache.steps_to_pack() if hasattr(cache, "steps_to_pack") else None
+    if k is None or cache.get_seq_length() + k + steps > until:
+        return None
+    for _ in range(k - 1):
+        step()
+    packing = _timed(step)
+    plain = sorted(_timed(step) for _ in range(steps))[steps // 2]
+    return 1e3 * (packing - plain)
 
 
 @torch.inference_mode()

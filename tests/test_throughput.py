@@ -244,3 +244,55 @@ def test_a_preset_kind_may_name_its_engine():
         _caches("kitty-pro@triton+key_dots=int4")
     with pytest.raises(ValueError, match="engine must be one of"):
         _caches("kitty-pro@cuda")
+
+
+@pytest.mark.parametrize("kind", ["kitty-pro+group_size=16+local_window=16", "kitty+group_size=16+local_window=8+sink=4"])
+def test_packing_steps_are_where_the_cache_packs(kind):
+    """The estimate adds a packing step's extra time once per page boundary the generation crosses:
+    `pack_steps` counts them from the preset alone, `steps_to_pack` says which step comes next, and
+    both agree with the steps at which a real cache's page pools grow."""
+    import torch
+
+    from conftest import tiny_model
+    from kitty_core.throughput import forward, make_cache, pack_steps
+
+    model = tiny_model("llama")
+    cache = make_cache(kind, model, 128)
+    forward(model, cache, torch.randint(3, 256, (2, 21)))
+    packed, predicted = [], []
+    pages = lambda: (cache.layers[0].k_pages.count, cache.layers[0].v_pages.count)  # noqa: E731
+    for _ in range(60):
+        k, before = cache.steps_to_pack(), pages()
+        forward(model, cache, torch.randint(3, 256, (2, 1)))
+        packed.append(pages() != before)
+        predicted.append(k == 1)
+    assert packed == predicted and sum(packed) == pack_steps(kind, 21, 81) >= 3
+    assert pack_steps("kitty-pro", 512, 512 + 8192) == 8192 // 128  # keys and values pack at the same steps
+    assert pack_steps("kitty+local_window=64", 512, 512 + 8192) == 2 * 8192 // 128
+    assert pack_steps("fp16-prealloc", 512, 8704) == 0
+
+
+def test_measure_adds_what_packing_costs(monkeypatch):
+    """A preset's estimate includes its packing steps: their count from the preset, and a packing
+    step's extra time measured once (here made 50 ms slower than the others)."""
+    import time
+
+    from conftest import tiny_model
+    from kitty_core import cache as cache_module
+    from kitty_core.throughput import measure, pack_steps
+
+    insert_all = cache_module.KittyLayer._insert_all
+
+    def slow_insert_all(self, k, v, pack=True):
+        before = self.k_pages.count + self.v_pages.count
+        insert_all(self, k, v, pack)
+        if self.layer_idx == 0 and self.seen > 40 and self.k_pages.count + self.v_pages.count > before:
+            time.sleep(0.05)
+
+    monkeypatch.setattr(cache_module.KittyLayer, "_insert_all", slow_insert_all)
+    model = tiny_model("llama")
+    row = measure(model, "kitty-pro+group_size=16+local_window=16", 2, 40, 100, points=2)
+    assert row["packing_steps"] == pack_steps("kitty-pro+group_size=16+local_window=16", 40, 140) == 6
+    assert 45 < row["packing_ms"] < 200
+    plain = measure(model, "fp16-prealloc", 2, 40, 100, points=2)
+    assert plain["packing_steps"] == 0 and plain["packing_ms"] is None
