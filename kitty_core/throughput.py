@@ -3,8 +3,9 @@ it generates (the paper's Figure 5).
 
 A point is one (cache, batch size). Its decode speed is measured on a cache filled to a few lengths
 between the prompt and the end of the generation (`timed_lengths`), and integrated over the
-generation length (a full 8K-token generation at every batch size would take hours); `validate`
-runs one real generation to check that estimate. With `graphs`, the caches that can (this
+generation length (a full 8K-token generation at every batch size would take hours); a preset's
+steps that pack pages, one every G steps (`pack_steps`), add what one costs beyond a plain step
+(`_packing_ms`). `validate` runs one real generation to check that estimate. With `graphs`, the caches that can (this
 library's) decode from CUDA graphs (graphs.py), the others eagerly. The largest batch is found by
 doubling until the GPU runs out of memory (or a memory budget is exceeded), then bisecting to within
 10%. Caches:
