@@ -172,11 +172,11 @@ class PagePool:
     def add_all(self, pages: KeyPages | ValuePages) -> None:
         """pages [B * n, ...], sequence-major: n new pages for every sequence, which all hold the
         same number of pages (a batch without padding)."""
-        batch = len(self.n)
-        per = self._store(pages) // batch
-        first, at = self.count - per * batch, int(self.n[0])
+        batch, at = len(self.n), int(self.n[0])
         if (self.n != at).any():
             raise RuntimeError("add_all needs every sequence at the same page count; use add_rows")
+        per = self._store(pages) // batch
+        first = self.count - per * batch
         self._room(at + per)
         self.ids[:, at : at + per] = first + np.arange(batch * per, dtype=np.int32).reshape(batch, per)
         self.device_ids[:, at : at + per] = first + torch.arange(
@@ -186,6 +186,8 @@ class PagePool:
 
     def add_rows(self, rows: list[int], pages: KeyPages | ValuePages) -> None:
         """pages [len(rows), ...]: one new page for each listed sequence (distinct)."""
+        if not len(rows):
+            return
         n = self._store(pages)
         rows_h = np.asarray(rows)
         at = self.n[rows_h]

@@ -60,6 +60,46 @@ def test_a_page_is_packed_exactly_every_G_decode_steps():
     assert steps == [S + G * j for j in range(1, 7)]
 
 
+def test_page_tables_on_host_and_device_follow_every_way_of_adding_pages():
+    """A PagePool's page tables, kept on the host and on the device and updated in place, list each
+    sequence's pages in the order they were added, whichever call added them, through regrowth of
+    the tables; reserved width is kept, so a captured graph's table does not move."""
+    from kitty_core.cache import PagePool
+    from kitty_core.quant import quantize_values
+
+    def pages(n):
+        return quantize_values(torch.randn(n, 2, 8, 16), 2)
+
+    pool, want, next_id = PagePool(type(pages(1)), 3, "cpu", width=2), [[], [], []], 0
+    for op, arg in [("all", 1), ("rows", [2, 0]), ("one", (1, 3)), ("rows", [1]), ("rows", [0, 2]), ("all", 2)]:
+        if op == "all":
+            if len({len(w) for w in want}) > 1:  # add_all needs sequences in step
+                with pytest.raises(RuntimeError, match="same page count"):
+                    pool.add_all(pages(3 * arg))
+                continue
+            pool.add_all(pages(3 * arg))
+            for b in range(3):
+                want[b] += list(range(next_id + b * arg, next_id + (b + 1) * arg))
+            next_id += 3 * arg
+        elif op == "rows":
+            pool.add_rows(arg, pages(len(arg)))
+            for i, b in enumerate(arg):
+                want[b].append(next_id + i)
+            next_id += len(arg)
+        else:
+            b, n = arg
+            pool.add(b, pages(n))
+            want[b] += list(range(next_id, next_id + n))
+            next_id += n
+        assert pool.table == want and pool.count == next_id
+        assert pool.device_n.tolist() == [len(w) for w in want]
+        assert [row[: len(w)] for row, w in zip(pool.device_ids.tolist(), want)] == want
+    pool.reserve_slots(64)
+    held = pool.device_ids
+    pool.add_rows([0, 1, 2], pages(3))
+    assert pool.device_ids is held and pool.table == [w + [next_id + i] for i, w in enumerate(want)]
+
+
 def test_bytes_by_part_follow_the_layout():
     S, G, R, D, H = 4, 16, 16, 16, 2
     layer = _layer(f"kitty-pro+sink={S}+group_size={G}+local_window={R}", heads=H, dim=D)

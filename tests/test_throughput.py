@@ -273,26 +273,35 @@ def test_packing_steps_are_where_the_cache_packs(kind):
 
 
 def test_measure_adds_what_packing_costs(monkeypatch):
-    """A preset's estimate includes its packing steps: their count from the preset, and a packing
-    step's extra time measured once (here made 50 ms slower than the others)."""
-    import time
-
+    """A preset's estimate includes its packing steps: their count from the preset, and what a step
+    that packs costs beyond a plain one, timed once. A clock that reads 10 ms for a plain step and
+    50 ms for a step that packed makes every figure exact."""
     from conftest import tiny_model
     from kitty_core import cache as cache_module
-    from kitty_core.throughput import measure, pack_steps
+    from kitty_core import throughput
 
+    packs = []
     insert_all = cache_module.KittyLayer._insert_all
 
-    def slow_insert_all(self, k, v, pack=True):
+    def counting_insert_all(self, k, v, pack=True):
         before = self.k_pages.count + self.v_pages.count
         insert_all(self, k, v, pack)
-        if self.layer_idx == 0 and self.seen > 40 and self.k_pages.count + self.v_pages.count > before:
-            time.sleep(0.05)
+        if self.layer_idx == 0 and self.k_pages.count + self.v_pages.count > before:
+            packs.append(self.seen)
 
-    monkeypatch.setattr(cache_module.KittyLayer, "_insert_all", slow_insert_all)
-    model = tiny_model("llama")
-    row = measure(model, "kitty-pro+group_size=16+local_window=16", 2, 40, 100, points=2)
-    assert row["packing_steps"] == pack_steps("kitty-pro+group_size=16+local_window=16", 40, 140) == 6
-    assert 45 < row["packing_ms"] < 200
-    plain = measure(model, "fp16-prealloc", 2, 40, 100, points=2)
+    def clock(fn):
+        before = len(packs)
+        fn()
+        return 0.05 if len(packs) > before else 0.01
+
+    monkeypatch.setattr(cache_module.KittyLayer, "_insert_all", counting_insert_all)
+    monkeypatch.setattr(throughput, "_timed", clock)
+    kind = "kitty-pro+group_size=16+local_window=16"
+    row = throughput.measure(tiny_model("llama"), kind, 2, 40, 100, points=2)
+    assert row["packing_steps"] == throughput.pack_steps(kind, 40, 140) == 6
+    assert row["packing_ms"] == pytest.approx(40.0)
+    steps = [row[k] for k in row if k.startswith("step_ms@")]
+    lengths = [int(k.split("@")[1]) for k in row if k.startswith("step_ms@")]
+    assert row["decode_s"] == pytest.approx(throughput.integrate(lengths, steps, 40, 140) / 1e3 + 6 * 0.040)
+    plain = throughput.measure(tiny_model("llama"), "fp16-prealloc", 2, 40, 100, points=2)
     assert plain["packing_steps"] == 0 and plain["packing_ms"] is None
