@@ -17,7 +17,8 @@ st.title("Memory & throughput")
 st.markdown(
     "Per cache: batch sizes double until memory runs out, then a bisection finds the largest batch to "
     "within 10%; at that batch (and at one equal batch for all) decode steps are timed at several cache "
-    "lengths and integrated over the generation. `python -m kitty_core.bench e2e` runs the same sweep."
+    "lengths and integrated over the generation, and a preset's steps that pack pages (one every G) add "
+    "what one costs beyond a plain step. `python -m kitty_core.bench e2e` runs the same sweep."
 )
 
 
@@ -50,6 +51,7 @@ if saved:
     st.caption(f"{s['model']} on {s['gpu'] or s['device']} ({s['dtype']}, torch {s['torch']}, transformers "
                f"{s['transformers']}), prompt {s['prompt']} + {s['generate']} generated tokens"
                + (f", cache budget {s['budget_gib']} GiB" if s.get("budget_gib") else ", until out of memory")
+               + (f", allocator `{s['alloc_conf']}`" if s.get("alloc_conf") else "")
                + (". Decode steps of this library's caches replayed from CUDA graphs (transformers' caches eager)"
                   if s.get("decode") == "graph" else ". Eager decode steps"))
     for part in s.get("runs", []):  # a file merged from several commands says which measured what

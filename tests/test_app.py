@@ -73,6 +73,7 @@ def test_memory_page_charts_saved_runs_and_sweeps_live():
     at = run("pages/5_Memory_and_throughput.py")
     saved = chart(at)
     assert saved["data"][0]["x"]  # max batch per cache of a saved run
+    assert any("expandable_segments" in c.value for c in at.caption)  # the saved run's allocator setting
     kernels = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
     kernels = [c for c in kernels if "Decode attention" in json.dumps(c["layout"])]
     assert kernels and {t["name"] for t in kernels[0]["data"]} == {"fused (packed pages)", "unfused qk/sv", "SDPA on FP16"}
