@@ -561,17 +561,17 @@ class KittyLayer(CacheLayerMixin):
             return
         g, bsz, h, d = c.group_size, self.batch, self.heads, self.head_dim
 
-        def pages_of(x):  # [B, H, N * G, D] -> [B * N, H, G, D], sequence-major (a view for N = 1)
+        def as_pages(x):  # [B, H, N * G, D] -> [B * N, H, G, D], sequence-major (a view for N = 1)
             return x.reshape(bsz, h, -1, g, d).transpose(1, 2).reshape(-1, h, g, d)
 
         def pack_keys(x):
             self._dirty_all(self.k_sink.lens[0] + self.k_pages.pages_of(0) * g)
             rms = self._query_rms_all(x.shape[2] // g)
-            self.k_pages.add_all(self.engine.quantize_keys(pages_of(x), self.n_boost, c.selection, self.generator, rms))
+            self.k_pages.add_all(self.engine.quantize_keys(as_pages(x), self.n_boost, c.selection, self.generator, rms))
 
         def pack_values(x):
             self._dirty_all(self.v_sink.lens[0] + self.v_pages.pages_of(0) * g)
-            self.v_pages.add_all(self.engine.quantize_values(pages_of(x), c.value_bits))
+            self.v_pages.add_all(self.engine.quantize_values(as_pages(x), c.value_bits))
 
         _fill_and_pack(self.k_buffer, k, 0, g, pack_keys)  # keys: every G tokens become a page
         _fill_and_pack(self.v_window, v, c.local_window, g, pack_values)  # values: the newest R stay
