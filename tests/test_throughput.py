@@ -272,6 +272,38 @@ def test_packing_steps_are_where_the_cache_packs(kind):
     assert pack_steps("fp16-prealloc", 512, 8704) == 0
 
 
+def test_measure_times_the_prefill_warm(monkeypatch):
+    """The first prefill at a shape compiles kernels: `measure` runs it once untimed, then times a
+    second one into a fresh cache, which is the cache it goes on to decode. A clock that reads 9 s
+    for a prefill that holds the process's first forward and 1 s otherwise tells which was timed."""
+    from conftest import tiny_model
+    from kitty_core import throughput
+
+    calls = []
+    forward = throughput.forward
+
+    def recording_forward(model, cache, ids):
+        calls.append((cache, ids.shape[1]))
+        return forward(model, cache, ids)
+
+    def clock(fn):
+        before = len(calls)
+        fn()
+        return 9.0 if before == 0 else 1.0
+
+    monkeypatch.setattr(throughput, "forward", recording_forward)
+    monkeypatch.setattr(throughput, "_timed", clock)
+    row = throughput.measure(tiny_model("llama"), "kitty-pro+group_size=16+local_window=16", 2, 40, 60, points=2,
+                             prefill_chunk=16)
+    assert row["prefill_s"] == 1.0
+    prefills = [(c, t) for c, t in calls if t > 1]
+    caches = list(dict.fromkeys(id(c) for c, _ in prefills))
+    assert len(caches) == 2  # warm-up and timed, each into its own cache
+    for cache in caches:
+        assert [t for c, t in prefills if id(c) == cache] == [16, 16, 8]  # the whole prompt, in chunks
+    assert {id(c) for c, t in calls if t == 1} == {caches[1]}  # the decode steps run on the timed one
+
+
 def test_measure_adds_what_packing_costs(monkeypatch):
     """A preset's estimate includes its packing steps: their count from the preset, and what a step
     that packs costs beyond a plain one, timed once. A clock that reads 10 ms for a plain step and
