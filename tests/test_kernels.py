@@ -419,6 +419,37 @@ def test_prefill_attention_matches_attention_over_the_dense_history(spec):
     torch.testing.assert_close(prefill_attention(layer, q, k, v, 0.25), want, atol=5e-3, rtol=1e-2)
 
 
+# a 16-bit model's dtype: bf16 on a GPU; fp16 in the interpreter, whose bf16 dots are wrong (Triton 3.6)
+HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+
+
+@pytest.mark.parametrize("rep, t", [(1, 1), (3, 13), (4, 32), (2, 40), (8, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_chunk_self_attention_matches_its_reference(rep, t, dtype):
+    """The chunk's causal attention to itself, merged with attention elsewhere by log-sum-exps
+    (`_chunk_self_kernel`), against the same in PyTorch: GQA groups of 1-8 (3 pads to 4 rows), chunks
+    of one token to more than one key block, past sides from negligible to dominant."""
+    from kernels.decode import chunk_self_attention, chunk_self_attention_reference
+
+    g = torch.Generator().manual_seed(rep * 100 + t)
+    b, h = 2, 2
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+
+    q, k, v = rand(b, h * rep, t, DIM), rand(b, h, t, DIM, scale=2.0), rand(b, h, t, DIM)
+    past = rand(b, h * rep, t, DIM)
+    past_lse = (torch.randn(b, h * rep, t, generator=g) * 4).to(DEVICE)  # weights of the past side from ~e-8 up
+    got = chunk_self_attention(q, k, v, past, past_lse, 0.3)
+    want = chunk_self_attention_reference(q, k, v, past, past_lse, 0.3)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    # the kernel reads the query and the chunk with any strides (here [B, t, H, D] transposed)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
+    torch.testing.assert_close(chunk_self_attention(qt, k, v, past, past_lse, 0.3), got)
+
+
 @pytest.mark.gpu
 def test_chunked_prefill_on_the_pages_agrees_with_reference_on_the_demo_model():
     """The demo model (bf16) prefilled in a chunk of 96 tokens, then chunks of 32: those attend to the
