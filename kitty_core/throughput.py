@@ -23,7 +23,8 @@ doubling until the GPU runs out of memory (or a memory budget is exceeded), then
 
 Cache bytes are those of the cache's tensors as allocated (reserved pools included); the reference
 engine's dense FP16 working view (CPU) is reported apart, as `working_view_bytes`. The filled tokens are random (keys with uneven channel scales, like real ones): speed and memory do
-not depend on their values. Prefill time is measured on a real prompt of random token ids.
+not depend on their values. Prefill time is measured on a real prompt of random token ids, on the
+second prefill of its shape in the process (the first compiles kernels).
 """
 
 from __future__ import annotations
