@@ -72,9 +72,18 @@ if kernels_file.exists():
     k = json.loads(kernels_file.read_text())
     rows = pd.DataFrame(k["results"])
     rows["shape"] = rows["batch"].astype(str) + " x " + rows["length"].astype(str)
-    boost = st.radio("Boost rate", sorted(rows["boost_rate"].unique()), index=len(rows["boost_rate"].unique()) - 1,
-                     format_func=lambda b: f"{b:.1%}", horizontal=True)
+    cols = st.columns(2)
+    boosts = sorted(rows["boost_rate"].unique())
+    boost = cols[0].radio("Boost rate", boosts, index=len(boosts) - 1, format_func=lambda b: f"{b:.1%}",
+                          horizontal=True, key="kernel_boost")
     pick = rows[rows["boost_rate"] == boost]
+    if "key_dots" in rows and rows["key_dots"].nunique() > 1:  # a run that timed both (`--key-dots fp16,int8`)
+        dots = sorted(rows["key_dots"].unique())
+        chosen = cols[1].radio("Page kernel's key dots", dots, index=dots.index("int8") if "int8" in dots else 0,
+                               horizontal=True, key="kernel_dots",
+                               help="int8: the query rounded to 8 bits per page and head, the default from "
+                                    "head size 128; fp16: the codes as fp16 operands")
+        pick = pick[pick["key_dots"] == chosen]
     long = pick.melt(id_vars="shape", value_vars=["fused_ms", "unfused_ms", "sdpa_fp16_ms"], var_name="attention",
                      value_name="ms")
     long["attention"] = long["attention"].map({"fused_ms": "fused (packed pages)", "unfused_ms": "unfused qk/sv",
@@ -82,8 +91,9 @@ if kernels_file.exists():
     fig = px.bar(long, x="shape", y="ms", color="attention", barmode="group",
                  title=f"Decode attention on {k['settings']['device']}: GPU time per call (Qwen3-8B heads)")
     st.plotly_chart(fig, width="stretch", key="kernels")
-    st.dataframe(pick[["shape", "fused_ms", "unfused_ms", "sdpa_fp16_ms", "fused_vs_sdpa", "fused_vs_unfused",
-                       "fused_TBps", "sdpa_TBps", "copy_TBps"]], hide_index=True)
+    shown = ["shape", "key_dots", "fused_ms", "unfused_ms", "sdpa_fp16_ms", "fused_vs_sdpa", "fused_vs_unfused",
+             "fused_TBps", "sdpa_TBps", "copy_TBps", "fused_max_abs_err"]
+    st.dataframe(pick[[c for c in shown if c in pick]], hide_index=True)
     st.caption("`python -m kitty_core.bench kernels` on one GPU: CUDA-graph replays, the same process for all three. "
                "TB/s: the bytes each one reads per second; copy: a device-to-device copy in the same run.")
 

@@ -1,8 +1,11 @@
 """The lab, headless (Streamlit's AppTest) on the demo model on CPU: every page renders real data."""
 
+import base64
 import json
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -19,6 +22,13 @@ def run(page: str) -> AppTest:
 
 def chart(at: AppTest, i: int = 0) -> dict:
     return json.loads(at.get("plotly_chart")[i].proto.spec)
+
+
+def numbers(field) -> list:
+    """A trace's numeric array as a list: plotly writes numbers as {"dtype", "bdata": base64}."""
+    if isinstance(field, dict) and "bdata" in field:
+        return np.frombuffer(base64.b64decode(field["bdata"]), dtype=field["dtype"]).tolist()
+    return list(field)
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -78,6 +88,18 @@ def test_memory_page_charts_saved_runs_and_sweeps_live():
     kernels = [c for c in kernels if "Decode attention" in json.dumps(c["layout"])]
     assert kernels and {t["name"] for t in kernels[0]["data"]} == {"fused (packed pages)", "unfused qk/sv", "SDPA on FP16"}
     assert list(kernels[0]["data"][0]["x"]) == ["64 x 8192", "8 x 32768", "1 x 131072"]
+    saved_kernels = pd.DataFrame(json.loads((ROOT / "data/results/kernels_h200.json").read_text())["results"])
+    if saved_kernels["key_dots"].nunique() > 1:  # a run that timed both key dots: one shown at a time
+        def fused(dots):
+            rows = saved_kernels[(saved_kernels.key_dots == dots) & (saved_kernels.boost_rate == 0.25)]
+            return pytest.approx(list(rows.fused_ms))
+
+        assert at.radio(key="kernel_dots").value == "int8"
+        assert numbers(kernels[0]["data"][0]["y"]) == fused("int8")
+        at.radio(key="kernel_dots").set_value("fp16").run()
+        fused_bars = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+        fused_bars = [c for c in fused_bars if "Decode attention" in json.dumps(c["layout"])][0]["data"][0]
+        assert numbers(fused_bars["y"]) == fused("fp16")
     at.multiselect[0].set_value(["fp16-prealloc", "kitty-pro"])
     at.number_input[1].set_value(64)  # generated tokens: a short sweep
     at.button[0].click().run()
