@@ -502,16 +502,6 @@ def _fp16_tile(X, base, s_t, count, T: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile_new(X, base, s_t, count, T: tl.constexpr, D: tl.constexpr, at, row):
-    """`_kv_tile` with its row `at` taken from `row` [D]: a token written to X by this program, not
-    read back. Only the tile that holds it pays for the select."""
-    tile = _kv_tile(X, base, s_t, count, T, D)
-    if (at >= 0) & (at < T):
-        tile = tl.where((tl.arange(0, T) == at)[:, None], _operand(row.to(X.dtype.element_ty), X)[None, :], tile)
-    return tile
-
-
-@triton.jit
 def _fp16_part_scores(q16, X, base, s_t, count, T: tl.constexpr, G4: tl.constexpr, D: tl.constexpr):
     """Scores [R, G/4] of FP16 keys T*G/4 .. (T+1)*G/4 - 1 of a slot (rows >= count: -inf)."""
     s = tl.dot(q16, tl.trans(_fp16_tile(X, base + T * G4 * s_t, s_t, count - T * G4, G4, D)))
@@ -519,11 +509,10 @@ def _fp16_part_scores(q16, X, base, s_t, count, T: tl.constexpr, G4: tl.constexp
 
 
 @triton.jit
-def _kv_part_scores_new(qn, scaling, X, base, s_t, count, T: tl.constexpr, G4: tl.constexpr, D: tl.constexpr, at,
-                        row):
+def _kv_part_scores(qn, scaling, X, base, s_t, count, T: tl.constexpr, G4: tl.constexpr, D: tl.constexpr):
     """Scores [R, G/4] of FP16 keys T*G/4 .. (T+1)*G/4 - 1 of a slot (rows >= count: -inf) for the
-    unscaled queries qn (`_operand`), key `at` of the slot taken from `row` (`_kv_tile_new`)."""
-    s = tl.dot(qn, tl.trans(_kv_tile_new(X, base + T * G4 * s_t, s_t, count - T * G4, G4, D, at - T * G4, row)))
+    unscaled queries qn (`_operand`)."""
+    s = tl.dot(qn, tl.trans(_kv_tile(X, base + T * G4 * s_t, s_t, count - T * G4, G4, D)))
     return _mask_part(s * scaling, count, T, G4)
 
 
@@ -615,9 +604,11 @@ def _decode_tail_kernel(
 ):
     """Chunk 0: the FP16 sink; chunk c in 1 .. NT: slot n_vp + c - 1, values from the FP16 window.
     NEW: the step's token (KN, VN [B, H, D]) is counted in LENS but not yet in the buffers. The
-    program of its slot writes it into the key q-buffer and the value window at W [2, B], and takes
-    it into its tiles from registers: the same numbers as the buffers would give, with no store
-    read back within the kernel."""
+    program of its slot writes it into the key q-buffer and the value window at W [2, B], then
+    waits at a barrier of its threads, after which their loads of the slot's tiles see it: the
+    same numbers as a token stored before the launch. (Taking it into the tiles from registers
+    instead, with a select in the tile that holds it, cost 25 registers a thread: 94 against 69,
+    five programs an SM instead of seven.)"""
     G4: tl.constexpr = G // 4
     b = tl.program_id(0) // HKV
     h = tl.program_id(0) % HKV
@@ -630,22 +621,14 @@ def _decode_tail_kernel(
     qn = _operand(qraw, KS)
     n = tl.load(LENS + b)
     n_vp = tl.load(NVP + b)
-    kn = tl.zeros((D,), tl.float16)
-    vn = kn
-    at_k = -1  # where the new key / value sits in this program's q-buffer / window slot (-1: not here)
-    at_v = -1
     if NEW:
-        dd = tl.arange(0, D)
-        kn = tl.load(KN + b * sKNb + h * sKNh + dd)
-        vn = tl.load(VN + b * sVNb + h * sVNh + dd)
-        mine = (chunk > 0) & (n_vp + chunk - 1 == (n - 1 - S) // G)
-        w_k = tl.load(W + b)
-        w_v = tl.load(W + sW + b)
-        if mine:
-            tl.store(KB + b * sKBb + h * sKBh + w_k * sKBt + dd, kn.to(KB.dtype.element_ty))
-            tl.store(VW + b * sVWb + h * sVWh + w_v * sVWt + dd, vn.to(VW.dtype.element_ty))
-        at_k = tl.where(mine, w_k, -1)
-        at_v = tl.where(mine, w_v - (chunk - 1) * G, -1)
+        if (chunk > 0) & (n_vp + chunk - 1 == (n - 1 - S) // G):  # the new token is in this slot
+            dd = tl.arange(0, D)
+            tl.store(KB + b * sKBb + h * sKBh + tl.load(W + b) * sKBt + dd,
+                     tl.load(KN + b * sKNb + h * sKNh + dd).to(KB.dtype.element_ty))
+            tl.store(VW + b * sVWb + h * sVWh + tl.load(W + sW + b) * sVWt + dd,
+                     tl.load(VN + b * sVNb + h * sVNh + dd).to(VW.dtype.element_ty))
+            tl.debug_barrier()
     m_i = tl.full((REP_P,), float("-inf"), tl.float32)
     l_i = tl.zeros((REP_P,), tl.float32)
     acc = tl.zeros((REP_P, D), tl.float32)
@@ -673,22 +656,19 @@ def _decode_tail_kernel(
                 s3 = _mask_part(s3, count, 3, G4)
             else:
                 kb = b * sKBb + h * sKBh
-                s0 = _kv_part_scores_new(qn, scaling, KB, kb, sKBt, count, 0, G4, D, at_k, kn)
-                s1 = _kv_part_scores_new(qn, scaling, KB, kb, sKBt, count, 1, G4, D, at_k, kn)
-                s2 = _kv_part_scores_new(qn, scaling, KB, kb, sKBt, count, 2, G4, D, at_k, kn)
-                s3 = _kv_part_scores_new(qn, scaling, KB, kb, sKBt, count, 3, G4, D, at_k, kn)
+                s0 = _kv_part_scores(qn, scaling, KB, kb, sKBt, count, 0, G4, D)
+                s1 = _kv_part_scores(qn, scaling, KB, kb, sKBt, count, 1, G4, D)
+                s2 = _kv_part_scores(qn, scaling, KB, kb, sKBt, count, 2, G4, D)
+                s3 = _kv_part_scores(qn, scaling, KB, kb, sKBt, count, 3, G4, D)
             m_i, lt, alpha, p0, p1, p2, p3 = _online_update4(m_i, tl.zeros((REP_P, G4), tl.float32), True,
                                                               s0, s1, s2, s3)
             l_i = tl.sum(lt, 1)
             vw = b * sVWb + h * sVWh + (chunk - 1) * G * sVWt
             acc = acc * alpha
-            acc = tl.dot(_operand(p0, VW), _kv_tile_new(VW, vw, sVWt, count, G4, D, at_v, vn), acc)
-            acc = tl.dot(_operand(p1, VW), _kv_tile_new(VW, vw + G4 * sVWt, sVWt, count - G4, G4, D, at_v - G4, vn),
-                         acc)
-            acc = tl.dot(_operand(p2, VW), _kv_tile_new(VW, vw + 2 * G4 * sVWt, sVWt, count - 2 * G4, G4, D,
-                                                        at_v - 2 * G4, vn), acc)
-            acc = tl.dot(_operand(p3, VW), _kv_tile_new(VW, vw + 3 * G4 * sVWt, sVWt, count - 3 * G4, G4, D,
-                                                        at_v - 3 * G4, vn), acc)
+            acc = tl.dot(_operand(p0, VW), _kv_tile(VW, vw, sVWt, count, G4, D), acc)
+            acc = tl.dot(_operand(p1, VW), _kv_tile(VW, vw + G4 * sVWt, sVWt, count - G4, G4, D), acc)
+            acc = tl.dot(_operand(p2, VW), _kv_tile(VW, vw + 2 * G4 * sVWt, sVWt, count - 2 * G4, G4, D), acc)
+            acc = tl.dot(_operand(p3, VW), _kv_tile(VW, vw + 3 * G4 * sVWt, sVWt, count - 3 * G4, G4, D), acc)
     _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, chunk, m_i, l_i, acc, live, REP, REP_P, D)
 
 
