@@ -317,11 +317,12 @@ def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
 
 
 SETUP = ("model", "shape", "gpu", "dtype", "torch", "transformers", "prompt", "generate", "budget_gib", "points",
-         "decode", "fused", "alloc_conf")
+         "steps", "decode", "fused", "alloc_conf")
 
 
 def same_setup(a: dict, b: dict) -> bool:
-    """Two e2e runs measured the same thing (model, GPU, versions, lengths, budget, points, decoding)."""
+    """Two e2e runs measured the same thing (model, GPU, versions, lengths, budget, points and steps
+    timed, decoding)."""
     return all(a.get(k, False) == b.get(k, False) for k in SETUP)  # runs from before fusion: False
 
 
@@ -403,7 +404,7 @@ def run_e2e(a) -> int:
                 "gpu": torch.cuda.get_device_name() if lm.device.type == "cuda" else platform.processor(),
                 "dtype": str(lm.dtype).removeprefix("torch."), "torch": torch.__version__,
                 "transformers": transformers.__version__, "prompt": a.prompt, "generate": a.generate,
-                "budget_gib": a.budget_gib, "points": a.points, "decode": a.decode, "caches": caches,
+                "budget_gib": a.budget_gib, "points": a.points, "steps": a.steps, "decode": a.decode, "caches": caches,
                 "fused": is_fused(lm.model), "launch": launch_defaults(),
                 "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
 
@@ -426,7 +427,7 @@ def run_e2e(a) -> int:
 
     graphs = a.decode == "graph"
     for what, row in sweep(lm.model, caches, a.prompt, a.generate, a.equal_batch, budget, a.points, a.start,
-                           graphs=graphs):
+                           graphs=graphs, steps=a.steps):
         {"probe": probes, "point": points, "skip": skipped}[what].append(row)
         brief = {k: v for k, v in row.items() if not k.startswith("step_ms")}
         print(what, json.dumps(brief, default=float), flush=True)
@@ -434,7 +435,7 @@ def run_e2e(a) -> int:
     table = e2e_table(pd.DataFrame(points))
     print(table.to_string(index=False, float_format=lambda x: f"{x:.2f}"), flush=True)
     for cache, batch, gen in checks_asked:
-        checks.append(validate(lm.model, cache, batch, a.prompt, gen, a.points, graphs=graphs))
+        checks.append(validate(lm.model, cache, batch, a.prompt, gen, a.points, graphs=graphs, steps=a.steps))
         print("validate", json.dumps(checks[-1], default=float), flush=True)
         save()
     return 0
@@ -479,6 +480,8 @@ def main(argv=None) -> int:
     e.add_argument("--equal-batch", type=int, default=64, help="also measure every cache at this batch")
     e.add_argument("--budget-gib", type=float, default=None, help="cache bytes allowed (default: until OOM)")
     e.add_argument("--points", type=int, default=4, help="cache lengths at which decode steps are timed")
+    e.add_argument("--steps", type=int, default=10, help="consecutive decode steps timed at each length "
+                   "(their mean; more steps, less noise from run to run)")
     e.add_argument("--start", type=int, default=8, help="first batch size of the doubling")
     e.add_argument("--validate", default="", help="CACHE:BATCH:TOKENS,... real generations to check the estimate")
     e.add_argument("--decode", choices=("graph", "eager"), default="graph",

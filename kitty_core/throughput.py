@@ -591,9 +591,10 @@ def integrate(lengths, step_ms, start: int, end: int) -> float:
 
 
 @torch.inference_mode()
-def validate(model, kind: str, batch: int, prompt: int, generate: int, points: int = 4, graphs: bool = False) -> dict:
+def validate(model, kind: str, batch: int, prompt: int, generate: int, points: int = 4, graphs: bool = False,
+             steps: int = 3) -> dict:
     """One real generation of `generate` tokens against the integrated estimate of `measure`."""
-    estimate = measure(model, kind, batch, prompt, generate, points, graphs=graphs)
+    estimate = measure(model, kind, batch, prompt, generate, points, steps, graphs=graphs)
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, prompt), device=device)
     cache = make_cache(kind, model, prompt + generate + 1)
@@ -616,8 +617,9 @@ def validate(model, kind: str, batch: int, prompt: int, generate: int, points: i
 
 def sweep(model, caches, prompt: int, generate: int, equal_batch: int | None = None, budget_bytes: int | None = None,
           points: int = 4, start: int = 1, limit: int = 1 << 14, stop: Callable[[], bool] | None = None,
-          graphs: bool = False) -> Iterator[tuple[str, dict]]:
-    """Per cache: the max-batch search, then `measure` at the max batch (and at `equal_batch`).
+          graphs: bool = False, steps: int = 3) -> Iterator[tuple[str, dict]]:
+    """Per cache: the max-batch search, then `measure` at the max batch (and at `equal_batch`), timing
+    `steps` decode steps at each of `points` lengths.
     Yields ("probe", row), ("point", row) or ("skip", row) as each completes, so a caller can chart
     them live; `stop()` ends the sweep between steps. An out-of-memory while measuring is a row too."""
     length = prompt + generate
@@ -647,7 +649,7 @@ def sweep(model, caches, prompt: int, generate: int, equal_batch: int | None = N
             at, chunk, tries = b, PREFILL_CHUNKS[0], 0
             while True:
                 try:
-                    row = measure(model, kind, at, prompt, generate, points, prefill_chunk=chunk, graphs=graphs)
+                    row = measure(model, kind, at, prompt, generate, points, steps, prefill_chunk=chunk, graphs=graphs)
                     break
                 except (torch.OutOfMemoryError, RuntimeError) as err:
                     if not _is_oom(err):

@@ -67,7 +67,7 @@ def test_sweep_prefills_in_smaller_chunks_before_it_backs_the_batch_off(monkeypa
 
     calls = []
 
-    def measure(model, kind, batch, prompt, generate, points, prefill_chunk, graphs=False):
+    def measure(model, kind, batch, prompt, generate, points, steps, prefill_chunk, graphs=False):
         calls.append((batch, prefill_chunk))
         if batch > 90 or batch * prefill_chunk > 90 * 128:  # 100 fits no chunk, 90 takes 128
             raise torch.OutOfMemoryError("CUDA out of memory")
