@@ -333,8 +333,10 @@ def merge_runs(earlier: dict, run: dict, command: str) -> dict:
     keep = lambda rows: [r for r in rows if r["cache"] not in mine]  # noqa: E731
     settings = dict(run["settings"])
     before = earlier["settings"].get("runs") or [{"command": None, "caches": earlier["settings"]["caches"]}]
+    # a command stays listed while a cache it measured does, or if it measured none (it validated)
     runs = [dict(r, caches=[c for c in r["caches"] if c not in mine]) for r in before]
-    settings["runs"] = [r for r in runs if r["caches"]] + [{"command": command, "caches": run["settings"]["caches"]}]
+    runs = [r for r, was in zip(runs, before) if r["caches"] or not was["caches"]]
+    settings["runs"] = runs + [{"command": command, "caches": run["settings"]["caches"]}]
     settings["caches"] = [c for r in settings["runs"] for c in r["caches"]]
     return {"settings": settings, "points": keep(earlier["points"]) + run["points"],
             "probes": keep(earlier["probes"]) + run["probes"], "skipped": keep(earlier["skipped"]) + run["skipped"],
@@ -432,8 +434,9 @@ def run_e2e(a) -> int:
         brief = {k: v for k, v in row.items() if not k.startswith("step_ms")}
         print(what, json.dumps(brief, default=float), flush=True)
         save()
-    table = e2e_table(pd.DataFrame(points))
-    print(table.to_string(index=False, float_format=lambda x: f"{x:.2f}"), flush=True)
+    if points:  # none when the command only validates (--caches "")
+        table = e2e_table(pd.DataFrame(points))
+        print(table.to_string(index=False, float_format=lambda x: f"{x:.2f}"), flush=True)
     for cache, batch, gen in checks_asked:
         checks.append(validate(lm.model, cache, batch, a.prompt, gen, a.points, graphs=graphs, steps=a.steps))
         print("validate", json.dumps(checks[-1], default=float), flush=True)
@@ -483,7 +486,8 @@ def main(argv=None) -> int:
     e.add_argument("--steps", type=int, default=10, help="consecutive decode steps timed at each length "
                    "(their mean; more steps, less noise from run to run)")
     e.add_argument("--start", type=int, default=8, help="first batch size of the doubling")
-    e.add_argument("--validate", default="", help="CACHE:BATCH:TOKENS,... real generations to check the estimate")
+    e.add_argument("--validate", default="", help="CACHE:BATCH:TOKENS,... real generations to check the estimate "
+                   "(after the sweep; with --caches \"\" and --merge, added to an earlier run's file)")
     e.add_argument("--decode", choices=("graph", "eager"), default="graph",
                    help="graph: this library's caches decode from CUDA graphs on a GPU (the others eagerly)")
     e.add_argument("--no-fuse", dest="fuse", action="store_false",

@@ -593,15 +593,27 @@ def integrate(lengths, step_ms, start: int, end: int) -> float:
 @torch.inference_mode()
 def validate(model, kind: str, batch: int, prompt: int, generate: int, points: int = 4, graphs: bool = False,
              steps: int = 3) -> dict:
-    """One real generation of `generate` tokens against the integrated estimate of `measure`."""
-    estimate = measure(model, kind, batch, prompt, generate, points, steps, graphs=graphs)
+    """One real generation of `generate` tokens against the integrated estimate of `measure`. The
+    prompt is prefilled in the largest of `PREFILL_CHUNKS` whose activations fit beside the cache
+    (found as the sweep finds it, by the estimate running out of memory), so a max batch, whose
+    cache leaves room only for small chunks, can be checked too; the real run uses the same."""
+    for chunk in PREFILL_CHUNKS:
+        try:
+            estimate = measure(model, kind, batch, prompt, generate, points, steps, prefill_chunk=chunk,
+                               graphs=graphs)
+            break
+        except (torch.OutOfMemoryError, RuntimeError) as err:
+            if not _is_oom(err) or chunk == PREFILL_CHUNKS[-1]:
+                raise
+        _free()  # after the handler, which holds the failed attempt's frames
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, prompt), device=device)
     cache = make_cache(kind, model, prompt + generate + 1)
     mode = []
 
     def run():
-        forward(model, cache, ids)
+        for s in range(0, prompt, chunk):
+            forward(model, cache, ids[:, s : s + chunk])
         step, _, how = _decoder(model, cache, batch, graphs)
         mode.append(how)
         for _ in range(generate):
@@ -611,8 +623,8 @@ def validate(model, kind: str, batch: int, prompt: int, generate: int, points: i
     del cache
     _free()
     est_s = estimate["prefill_s"] + estimate["decode_s"]
-    return {"cache": kind, "batch": batch, "prompt": prompt, "generate": generate, "decode": mode[0],
-            "measured_s": real_s, "estimated_s": est_s, "estimate_error": est_s / real_s - 1}
+    return {"cache": kind, "batch": batch, "prompt": prompt, "generate": generate, "prefill_chunk": chunk,
+            "decode": mode[0], "measured_s": real_s, "estimated_s": est_s, "estimate_error": est_s / real_s - 1}
 
 
 def sweep(model, caches, prompt: int, generate: int, equal_batch: int | None = None, budget_bytes: int | None = None,

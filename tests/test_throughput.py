@@ -203,6 +203,14 @@ def test_e2e_merges_a_second_command_into_the_same_file(tmp_path):
     assert [r["caches"] for r in run["settings"]["runs"]] == [["fp16-prealloc"], ["kivi-k2v2"]]
     assert "--merge" in run["settings"]["runs"][1]["command"]
     assert {r["cache"] for r in run["summary"]} == {"fp16-prealloc", "kivi-k2v2"}
+    # a command that only validates (no caches to sweep) adds its real generation to the same file
+    assert main(["e2e", "--caches", "", "--validate", "fp16-prealloc:1:8", *common, "--merge"]) == 0
+    assert main(["e2e", "--caches", "kivi-k2v2", *common, "--merge"]) == 0
+    run = json.loads(out.read_text())
+    assert [r["caches"] for r in run["settings"]["runs"]] == [["fp16-prealloc"], [], ["kivi-k2v2"]]
+    assert "--validate fp16-prealloc:1:8" in run["settings"]["runs"][1]["command"]
+    assert [(v["cache"], v["batch"], v["generate"]) for v in run["validation"]] == [("fp16-prealloc", 1, 8)]
+    assert {r["cache"] for r in run["summary"]} == {"fp16-prealloc", "kivi-k2v2"}
 
 
 def test_a_compiled_decode_that_cannot_be_built_is_skipped_not_fatal(monkeypatch):
@@ -337,3 +345,37 @@ def test_measure_adds_what_packing_costs(monkeypatch):
     assert row["decode_s"] == pytest.approx(throughput.integrate(lengths, steps, 40, 140) / 1e3 + 6 * 0.040)
     plain = throughput.measure(tiny_model("llama"), "fp16-prealloc", 2, 40, 100, points=2)
     assert plain["packing_steps"] == 0 and plain["packing_ms"] is None
+
+
+def test_validate_prefills_in_the_chunks_the_estimate_could_fit(monkeypatch):
+    """A max batch leaves room only for small prefill chunks: `validate` backs off as the sweep
+    does (here the 512-token estimate runs out of memory) and prefills the real generation in the
+    chunk that fitted, then decodes every token."""
+    import torch
+
+    from conftest import tiny_model
+    from kitty_core import throughput
+
+    model = tiny_model("llama")
+    real_measure, real_forward = throughput.measure, throughput.forward
+    tried, widths = [], []
+
+    def measure(*args, prefill_chunk, **kwargs):
+        tried.append(prefill_chunk)
+        if prefill_chunk > 128:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_measure(*args, prefill_chunk=prefill_chunk, **kwargs)
+
+    def forward(model, cache, ids):
+        widths.append(ids.shape[1])
+        return real_forward(model, cache, ids)
+
+    monkeypatch.setattr(throughput, "measure", measure)
+    monkeypatch.setattr(throughput, "forward", forward)
+    row = throughput.validate(model, "fp16-prealloc", 2, 256, 8, points=2)
+    assert tried == [512, 128]
+    assert row["prefill_chunk"] == 128 and row["decode"] == "eager"
+    # the estimate's two prefills and its steps, then the real run: two chunks, eight steps
+    assert widths[-10:] == [128, 128] + [1] * 8
+    assert row["measured_s"] > 0 and row["estimated_s"] > 0
+    assert row["estimate_error"] == row["estimated_s"] / row["measured_s"] - 1
