@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -410,7 +411,7 @@ def run_e2e(a) -> int:
                 "fused": is_fused(lm.model), "launch": launch_defaults(),
                 "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
 
-    command = "python -m kitty_core.bench " + " ".join(a.argv)
+    command = "python -m kitty_core.bench " + shlex.join(a.argv)  # quoted as a shell takes it back
     settings["runs"] = [{"command": command, "caches": caches}]
     earlier = None
     if a.merge and a.out and a.out.exists():
