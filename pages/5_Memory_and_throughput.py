@@ -52,10 +52,12 @@ if saved:
                f"{s['transformers']}), prompt {s['prompt']} + {s['generate']} generated tokens"
                + (f", cache budget {s['budget_gib']} GiB" if s.get("budget_gib") else ", until out of memory")
                + (f", allocator `{s['alloc_conf']}`" if s.get("alloc_conf") else "")
+               + (f", decode steps timed {s['steps']} at a time at {s['points']} lengths" if s.get("steps") else "")
                + (". Decode steps of this library's caches replayed from CUDA graphs (transformers' caches eager)"
                   if s.get("decode") == "graph" else ". Eager decode steps"))
     for part in s.get("runs", []):  # a file merged from several commands says which measured what
-        st.caption(f"`{part['command']}`: {', '.join(part['caches'])}" + (f" ({part['note']})" if part.get("note") else ""))
+        measured = ", ".join(part["caches"]) or "real generations only (--validate)"
+        st.caption(f"`{part['command']}`: {measured}" + (f" ({part['note']})" if part.get("note") else ""))
     charts(pd.DataFrame(run["points"]), "saved")
     for skip in run.get("skipped", []):
         st.caption(f"{skip['cache']}: not measured ({skip['reason']})")

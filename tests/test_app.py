@@ -84,6 +84,13 @@ def test_memory_page_charts_saved_runs_and_sweeps_live():
     saved = chart(at)
     assert saved["data"][0]["x"]  # max batch per cache of a saved run
     assert any("expandable_segments" in c.value for c in at.caption)  # the saved run's allocator setting
+    # each real generation against its estimate, and a command that only ran those says so
+    run_file = json.loads((ROOT / "data/results/e2e_qwen3-8b_h200_graph.json").read_text())
+    for check in run_file["validation"]:
+        assert any(f"{check['cache']}, batch {check['batch']}: a real generation of {check['generate']} tokens took "
+                   f"{check['measured_s']:.1f} s" in c.value for c in at.caption)
+    if any(not r["caches"] for r in run_file["settings"]["runs"]):
+        assert any("real generations only (--validate)" in c.value for c in at.caption)
     kernels = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
     kernels = [c for c in kernels if "Decode attention" in json.dumps(c["layout"])]
     assert kernels and {t["name"] for t in kernels[0]["data"]} == {"fused (packed pages)", "unfused qk/sv", "SDPA on FP16"}
