@@ -607,7 +607,7 @@ def _decode_tail_kernel(
     program of its slot writes it into the key q-buffer and the value window at W [2, B], then
     waits at a barrier of its threads, after which their loads of the slot's tiles see it: the
     same numbers as a token stored before the launch. (Taking it into the tiles from registers
-    instead, with a select in the tile that holds it, cost 25 registers a thread: 94 against 69,
+    instead, with a select in the tile that holds it, cost 23 registers a thread: 94 against 71,
     five programs an SM instead of seven.)"""
     G4: tl.constexpr = G // 4
     b = tl.program_id(0) // HKV
