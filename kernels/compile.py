@@ -6,6 +6,7 @@ of them: registers, spills, shared memory and the SASS instruction mix of each k
     python -m kernels.compile --key-dots fp16,int8 --unpack ptx --stages 3 --max-registers 168 \
         --pages-per-program 32                         # a deep grid's settings (batch 489)
     python -m kernels.compile --warps 4 --max-registers 0
+    python -m kernels.compile --new-token --unpack ptx  # the tail as graph-replayed steps launch it
 
 Triton's wheel ships ptxas and cuobjdump, so this needs neither a GPU nor a CUDA install. It shows
 what a kernel change does to the instruction stream before any GPU time is spent; the speed itself
@@ -123,13 +124,18 @@ def layer_for(method: str, batch: int = 2, length: int = 2048, kv_heads: int = 8
 
 
 def report(method: str = "kitty-pro", unpacks=("ptx",), q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-           arch: int = 90, dtype=torch.bfloat16, key_dots=(None,), **launch) -> pd.DataFrame:
+           arch: int = 90, dtype=torch.bfloat16, key_dots=(None,), new_token: bool = False, **launch) -> pd.DataFrame:
     """Per kernel of the fused decode step, unpack mode and page-kernel key dots: ptxas resources and
-    the SASS mix (the tail kernel once per unpack mode: it has no key dots of its own)."""
+    the SASS mix (the tail kernel once per unpack mode: it has no key dots of its own).
+    `new_token`: the tail kernel as a step from device counters launches it, writing the step's token."""
     from .decode import decode_launches, key_dots_of
 
     layer = layer_for(method, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-    q = torch.randn(layer.k_sink.buf.shape[0], q_heads, 1, head_dim, dtype=dtype)
+    batch = layer.k_sink.buf.shape[0]
+    q = torch.randn(batch, q_heads, 1, head_dim, dtype=dtype)
+    if new_token:
+        token = torch.zeros(batch, kv_heads, 1, head_dim, dtype=dtype)
+        launch["new"] = (token, token.clone(), torch.zeros(2, batch, dtype=torch.long))
     launch.setdefault("pages_per_program", 8)  # a page loop, as at long context
     rows = []
     for unpack in unpacks:
@@ -162,6 +168,8 @@ def main(argv=None) -> int:
     p.add_argument("--stages", type=int, default=None, help="page kernel pipeline stages (default: the launch "
                    "default)")
     p.add_argument("--pages-per-program", type=int, default=8)
+    p.add_argument("--new-token", action="store_true", help="the tail kernel as a graph-replayed step launches it "
+                   "(it writes the step's token)")
     p.add_argument("--columns", default="kernel,unpack,key_dots,warps,registers,spill_ops,loop_spill_ops,shared_bytes,instructions,"
                    "loop_instructions,warp_instructions_per_page,"
                    "loop_tensor core,loop_integer/bit,loop_shared,loop_float,loop_shuffle,loop_other")
@@ -175,7 +183,8 @@ def main(argv=None) -> int:
         launch["num_stages"] = a.stages
     launch["pages_per_program"] = a.pages_per_program
     key_dots = a.key_dots.split(",") if a.key_dots else (None,)
-    df = report(a.method, a.unpack.split(","), a.q_heads, a.kv_heads, a.head_dim, a.arch, key_dots=key_dots, **launch)
+    df = report(a.method, a.unpack.split(","), a.q_heads, a.kv_heads, a.head_dim, a.arch, key_dots=key_dots,
+                new_token=a.new_token, **launch)
     print(df[[c for c in a.columns.split(",") if c in df]].to_string(index=False))
     return 0
 

@@ -55,3 +55,25 @@ def test_int8_key_dots_compile_to_int8_tensor_cores_without_spills_at_a_deep_gri
     assert int8["spill_ops"] == 0 and fp16["spill_ops"] == 0
     assert int8["loop_tensor core"] < fp16["loop_tensor core"]
     assert int8["loop_integer/bit"] < 0.8 * fp16["loop_integer/bit"]
+
+
+NEW_TOKEN_SCRIPT = (
+    "import json; from kernels.compile import report; "
+    "print(json.dumps([report('kitty-pro', ('ptx',), new_token=new).iloc[0].to_dict() for new in (False, True)]))"
+)
+
+
+def test_the_tail_that_writes_a_steps_token_keeps_the_plain_tails_registers():
+    """A graph-replayed step's tail kernel stores the step's token and reads it back after a barrier
+    of the program's threads: a few registers more than the plain tail, not the 25 more that taking
+    the token into its tiles from registers cost (five programs an SM where the plain tail fits
+    seven)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", NEW_TOKEN_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    plain, new = json.loads(out.stdout.strip().splitlines()[-1])
+    assert plain["kernel"] == new["kernel"] == "_decode_tail_kernel"
+    assert new["spill_ops"] == 0 and new["registers"] <= plain["registers"] + 4
+    assert 65536 // (new["registers"] * 128) >= 7  # seven programs of four warps an SM
