@@ -460,6 +460,19 @@ def run_profile(a) -> int:
     return 0
 
 
+def _count(minimum: int):
+    """An argparse type: an integer of at least `minimum`, or a usage error that says so."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"needs an integer of at least {minimum}, got {text!r}")
+        return value
+    return parse
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kitty_core.bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -479,14 +492,14 @@ def main(argv=None) -> int:
     e.add_argument("--dtype", default=None)
     e.add_argument("--caches",
                    default="dynamic,static,static-compiled,quantized,fp16-prealloc,kivi-k2v2,kitty,kitty-pro")
-    e.add_argument("--prompt", type=int, default=512)
-    e.add_argument("--generate", type=int, default=8192)
-    e.add_argument("--equal-batch", type=int, default=64, help="also measure every cache at this batch")
+    e.add_argument("--prompt", type=_count(1), default=512)
+    e.add_argument("--generate", type=_count(1), default=8192)
+    e.add_argument("--equal-batch", type=_count(0), default=64, help="also measure every cache at this batch (0: no)")
     e.add_argument("--budget-gib", type=float, default=None, help="cache bytes allowed (default: until OOM)")
-    e.add_argument("--points", type=int, default=4, help="cache lengths at which decode steps are timed")
-    e.add_argument("--steps", type=int, default=10, help="consecutive decode steps timed at each length "
+    e.add_argument("--points", type=_count(1), default=4, help="cache lengths at which decode steps are timed")
+    e.add_argument("--steps", type=_count(1), default=10, help="consecutive decode steps timed at each length "
                    "(their mean; more steps, less noise from run to run)")
-    e.add_argument("--start", type=int, default=8, help="first batch size of the doubling")
+    e.add_argument("--start", type=_count(1), default=8, help="first batch size of the doubling")
     e.add_argument("--validate", default="", help="CACHE:BATCH:TOKENS,... real generations to check the estimate "
                    "(after the sweep; with --caches \"\" and --merge, added to an earlier run's file)")
     e.add_argument("--decode", choices=("graph", "eager"), default="graph",
@@ -504,8 +517,8 @@ def main(argv=None) -> int:
     f.add_argument("--device", default=None)
     f.add_argument("--dtype", default=None)
     f.add_argument("--caches", default="fp16-prealloc,kitty-pro")
-    f.add_argument("--batch", type=int, default=64)
-    f.add_argument("--length", type=int, default=4096, help="tokens in the cache")
+    f.add_argument("--batch", type=_count(1), default=64)
+    f.add_argument("--length", type=_count(1), default=4096, help="tokens in the cache")
     f.add_argument("--decode", choices=("graph", "eager"), default="graph")
     f.add_argument("--no-fuse", dest="fuse", action="store_false", help="keep transformers' RMSNorm and rotary code")
     w = sub.add_parser("app", help="seconds to first and later renders of every lab page in chromium")

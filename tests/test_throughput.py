@@ -379,3 +379,18 @@ def test_validate_prefills_in_the_chunks_the_estimate_could_fit(monkeypatch):
     assert widths[-10:] == [128, 128] + [1] * 8
     assert row["measured_s"] > 0 and row["estimated_s"] > 0
     assert row["estimate_error"] == row["estimated_s"] / row["measured_s"] - 1
+
+
+def test_e2e_refuses_counts_that_cannot_be_measured(capsys):
+    """No steps, no points or nothing to generate: a usage error naming the argument, before any
+    model loads (these used to end in a division by zero or an empty interpolation)."""
+    import pytest
+
+    from kitty_core.bench import main
+
+    for flag, value in (("--steps", "0"), ("--points", "0"), ("--generate", "0"), ("--prompt", "-1"),
+                        ("--steps", "ten")):
+        with pytest.raises(SystemExit) as stop:
+            main(["e2e", "--model", "no-such-model", "--caches", "fp16-prealloc", flag, value])
+        assert stop.value.code == 2
+        assert f"argument {flag}: needs an integer of at least" in capsys.readouterr().err
