@@ -590,22 +590,28 @@ def integrate(lengths, step_ms, start: int, end: int) -> float:
     return float(((xs[1:] - xs[:-1]) * (ys[1:] + ys[:-1]) / 2).sum())
 
 
-@torch.inference_mode()
-def validate(model, kind: str, batch: int, prompt: int, generate: int, points: int = 4, graphs: bool = False,
-             steps: int = 3) -> dict:
-    """One real generation of `generate` tokens against the integrated estimate of `measure`. The
-    prompt is prefilled in the largest of `PREFILL_CHUNKS` whose activations fit beside the cache
-    (found as the sweep finds it, by the estimate running out of memory), so a max batch, whose
-    cache leaves room only for small chunks, can be checked too; the real run uses the same."""
+def _measure_fitting(model, kind: str, batch: int, prompt: int, generate: int, points: int, steps: int,
+                     graphs: bool) -> dict:
+    """`measure`, its prompt prefilled in the largest of `PREFILL_CHUNKS` whose activations fit beside
+    the cache, as a server would chunk it: an out-of-memory tries the next, and the smallest one's
+    is raised."""
     for chunk in PREFILL_CHUNKS:
         try:
-            estimate = measure(model, kind, batch, prompt, generate, points, steps, prefill_chunk=chunk,
-                               graphs=graphs)
-            break
+            return measure(model, kind, batch, prompt, generate, points, steps, prefill_chunk=chunk, graphs=graphs)
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not _is_oom(err) or chunk == PREFILL_CHUNKS[-1]:
                 raise
         _free()  # after the handler, which holds the failed attempt's frames
+
+
+@torch.inference_mode()
+def validate(model, kind: str, batch: int, prompt: int, generate: int, points: int = 4, graphs: bool = False,
+             steps: int = 3) -> dict:
+    """One real generation of `generate` tokens against the integrated estimate of `measure`. The
+    prompt is prefilled in the chunks the estimate could fit (`_measure_fitting`, as the sweep
+    does), so a max batch, whose cache leaves room only for small chunks, can be checked too."""
+    estimate = _measure_fitting(model, kind, batch, prompt, generate, points, steps, graphs)
+    chunk = estimate["prefill_chunk"]
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, prompt), device=device)
     cache = make_cache(kind, model, prompt + generate + 1)
@@ -656,25 +662,22 @@ def sweep(model, caches, prompt: int, generate: int, equal_batch: int | None = N
             if stop and stop():
                 return
             # the prefill needs activations the fit probe did not: if they do not fit, prefill in
-            # smaller chunks (as a server would), and only then back the batch off by 10%, where
+            # smaller chunks (`_measure_fitting`), and only then back the batch off by 10%, where
             # the chunks start from the largest again (a smaller batch may take them)
-            at, chunk, tries = b, PREFILL_CHUNKS[0], 0
+            at, tries = b, 0
             while True:
                 try:
-                    row = measure(model, kind, at, prompt, generate, points, steps, prefill_chunk=chunk, graphs=graphs)
+                    row = _measure_fitting(model, kind, at, prompt, generate, points, steps, graphs)
                     break
                 except (torch.OutOfMemoryError, RuntimeError) as err:
                     if not _is_oom(err):
                         raise
-                    _free()
-                    if chunk != PREFILL_CHUNKS[-1]:
-                        chunk = PREFILL_CHUNKS[PREFILL_CHUNKS.index(chunk) + 1]
-                        continue
-                    tries += 1
-                    if b != best or tries > 3:
-                        row = {"cache": kind, "batch": at, "reason": "out of memory"}
-                        break
-                    at, chunk = at * 9 // 10, PREFILL_CHUNKS[0]
+                _free()
+                tries += 1
+                if b != best or tries > 3:
+                    row = {"cache": kind, "batch": at, "reason": "out of memory"}
+                    break
+                at = at * 9 // 10
             row["at"] = "max batch" if b == best else "equal batch"
             row["max_batch"] = best
             yield "point", row
