@@ -5,8 +5,11 @@ A point is one (cache, batch size). Its decode speed is measured on a cache fill
 between the prompt and the end of the generation (`timed_lengths`), and integrated over the
 generation length (a full 8K-token generation at every batch size would take hours); a preset's
 steps that pack pages, one every G steps (`pack_steps`), add what one costs beyond a plain step
-(`_packing_ms`). `validate` runs one real generation to check that estimate. With `graphs`, the caches that can (this
-library's) decode from CUDA graphs (graphs.py), the others eagerly. The largest batch is found by
+(`_packing_ms`). `validate` runs one real generation to check that estimate, at any batch (its prompt
+in the chunks the estimate fitted). A batch that holds the GPU at its power limit decodes a little
+slower over a whole generation than in the few consecutive steps timed at each length, so check
+the largest batches that way. With `graphs`, the caches that can (this library's) decode from CUDA
+graphs (graphs.py), the others eagerly. The largest batch is found by
 doubling until the GPU runs out of memory (or a memory budget is exceeded), then bisecting to within
 10%. Caches:
 
