@@ -317,6 +317,28 @@ def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
     return t.reset_index()
 
 
+def real_table(checks: list[dict], points: pd.DataFrame) -> pd.DataFrame:
+    """Real generations (`e2e --validate`), one row each: the time, the tokens per second (every
+    sequence's generated tokens over the whole run, prefill included) and the estimate's error. A
+    generation at its cache's max batch (from `points`) is compared with each baseline's real
+    generation of the same length at the baseline's max batch: the throughput target measured
+    instead of estimated."""
+    if not checks:
+        return pd.DataFrame()
+    rows = pd.DataFrame(checks)
+    rows["tokens_per_s"] = rows["batch"] * rows["generate"] / rows["measured_s"]
+    best = points.groupby("cache")["max_batch"].first() if "max_batch" in points else pd.Series(dtype=int)
+    rows["at_max_batch"] = [best.get(c) == b for c, b in zip(rows["cache"], rows["batch"])]
+    for ref in ("dynamic", "static", "static-compiled", "fp16-prealloc"):
+        base = rows[(rows["cache"] == ref) & rows["at_max_batch"]].groupby("generate")["tokens_per_s"].last()
+        if len(base):
+            rows[f"tput_vs_{ref}"] = [tps / base[g] if at and g in base else None
+                                      for tps, g, at in zip(rows["tokens_per_s"], rows["generate"], rows["at_max_batch"])]
+    shown = ["cache", "batch", "at_max_batch", "prompt", "generate", "prefill_chunk", "measured_s", "tokens_per_s",
+             "estimated_s", "estimate_error"]
+    return rows[[c for c in shown if c in rows] + [c for c in rows if c.startswith("tput_vs_")]]
+
+
 SETUP = ("model", "shape", "gpu", "dtype", "torch", "transformers", "prompt", "generate", "budget_gib", "points",
          "steps", "decode", "fused", "alloc_conf")
 
@@ -420,13 +442,16 @@ def run_e2e(a) -> int:
             print(f"error: {a.out} holds a run of another model or settings; --merge needs the same", file=sys.stderr)
             return 2
 
+    def current() -> dict:  # this command's rows, added to the earlier file's with --merge
+        run = {"settings": settings, "points": points, "probes": probes, "skipped": skipped, "validation": checks}
+        run = merge_runs(earlier, run, command) if earlier else run
+        run["summary"] = e2e_table(pd.DataFrame(run["points"])).to_dict(orient="records")
+        return run
+
     def save():  # after every row, so that an interrupted run keeps what it measured
         if a.out:
-            run = {"settings": settings, "points": points, "probes": probes, "skipped": skipped, "validation": checks}
-            run = merge_runs(earlier, run, command) if earlier else run
-            run["summary"] = e2e_table(pd.DataFrame(run["points"])).to_dict(orient="records")
             a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(json.dumps(run, indent=1, default=float))
+            a.out.write_text(json.dumps(current(), indent=1, default=float))
 
     graphs = a.decode == "graph"
     for what, row in sweep(lm.model, caches, a.prompt, a.generate, a.equal_batch, budget, a.points, a.start,
@@ -442,6 +467,10 @@ def run_e2e(a) -> int:
         checks.append(validate(lm.model, cache, batch, a.prompt, gen, a.points, graphs=graphs, steps=a.steps))
         print("validate", json.dumps(checks[-1], default=float), flush=True)
         save()
+    if checks:  # the real generations, the file's earlier ones too, against the baselines' (`real_table`)
+        run = current()
+        real = real_table(run["validation"], pd.DataFrame(run["points"]))
+        print(real.to_string(index=False, float_format=lambda x: f"{x:.3f}"), flush=True)
     return 0
 
 

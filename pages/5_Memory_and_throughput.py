@@ -9,7 +9,7 @@ import streamlit as st
 
 from kitty_app import DATA, gpu_lock, sidebar
 from kitty_core import PRESETS
-from kitty_core.bench import e2e_table
+from kitty_core.bench import e2e_table, real_table
 from kitty_core.throughput import BASELINES, sweep
 
 frame = sidebar()
@@ -61,10 +61,18 @@ if saved:
     charts(pd.DataFrame(run["points"]), "saved")
     for skip in run.get("skipped", []):
         st.caption(f"{skip['cache']}: not measured ({skip['reason']})")
-    for check in run.get("validation", []):
-        st.caption(f"{check['cache']}, batch {check['batch']}: a real generation of {check['generate']} tokens took "
-                   f"{check['measured_s']:.1f} s, the estimate {check['estimated_s']:.1f} s "
-                   f"({check['estimate_error']:+.1%}).")
+    real = real_table(run.get("validation", []), pd.DataFrame(run["points"]))
+    if not real.empty:
+        st.markdown("**Real generations** (`--validate`): the whole prompt and every generated token, timed, "
+                    "against the estimate integrated from timed steps")
+        st.dataframe(real, hide_index=True)
+        for r in real.to_dict("records"):
+            ratios = [f"{x:.2f}x {c.removeprefix('tput_vs_')}'s at its max batch" for c, x in r.items()
+                      if c.startswith("tput_vs_") and pd.notna(x) and c != f"tput_vs_{r['cache']}"]
+            st.caption(f"{r['cache']}, batch {r['batch']}{' (its max)' if r['at_max_batch'] else ''}: a real "
+                       f"generation of {r['generate']} tokens took {r['measured_s']:.1f} s, "
+                       f"{r['tokens_per_s']:,.0f} tokens/s" + (f", {', '.join(ratios)}" if ratios else "")
+                       + f"; the estimate {r['estimated_s']:.1f} s ({r['estimate_error']:+.1%}).")
 else:
     st.info("No saved runs in data/results (e2e_*.json).")
 

@@ -87,8 +87,18 @@ def test_memory_page_charts_saved_runs_and_sweeps_live():
     # each real generation against its estimate, and a command that only ran those says so
     run_file = json.loads((ROOT / "data/results/e2e_qwen3-8b_h200_graph.json").read_text())
     for check in run_file["validation"]:
-        assert any(f"{check['cache']}, batch {check['batch']}: a real generation of {check['generate']} tokens took "
-                   f"{check['measured_s']:.1f} s" in c.value for c in at.caption)
+        assert any(f"{check['cache']}, batch {check['batch']}" in c.value and f"a real generation of "
+                   f"{check['generate']} tokens took {check['measured_s']:.1f} s" in c.value for c in at.caption)
+    real = next(d.value for d in at.dataframe if "estimate_error" in d.value)  # the real generations' table
+    assert list(real["measured_s"]) == pytest.approx([c["measured_s"] for c in run_file["validation"]])
+    # a preset's real generation at its max batch against fp16-prealloc's of the same length at its own
+    for check in run_file["validation"]:
+        base = [c for c in run_file["validation"] if c["cache"] == "fp16-prealloc" and c["generate"] == check["generate"]
+                and c["batch"] == next(p["max_batch"] for p in run_file["points"] if p["cache"] == "fp16-prealloc")]
+        mine = next(p["max_batch"] for p in run_file["points"] if p["cache"] == check["cache"])
+        if base and check["batch"] == mine and check["cache"] != "fp16-prealloc":
+            ratio = (check["batch"] / check["measured_s"]) / (base[-1]["batch"] / base[-1]["measured_s"])
+            assert any(f"{ratio:.2f}x fp16-prealloc's at its max batch" in c.value for c in at.caption)
     if any(not r["caches"] for r in run_file["settings"]["runs"]):
         assert any("real generations only (--validate)" in c.value for c in at.caption)
     kernels = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]

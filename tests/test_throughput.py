@@ -173,6 +173,28 @@ def test_merged_runs_replace_the_caches_measured_again_and_name_both_commands():
     assert not same_setup(first["settings"], dict(second["settings"], generate=4096))
 
 
+def test_real_generations_compare_max_batches_of_the_same_length():
+    import pandas as pd
+
+    from kitty_core.bench import real_table
+
+    def check(cache, batch, generate, seconds):
+        return {"cache": cache, "batch": batch, "prompt": 512, "generate": generate, "measured_s": seconds,
+                "estimated_s": seconds * 0.98, "estimate_error": -0.02}
+
+    points = pd.DataFrame([{"cache": "fp16-prealloc", "max_batch": 96}, {"cache": "kitty-pro", "max_batch": 544}])
+    real = real_table([check("kitty-pro", 64, 8192, 80.0), check("kitty-pro", 544, 8192, 400.0),
+                       check("fp16-prealloc", 96, 8192, 200.0), check("kitty-pro", 544, 4096, 150.0)], points)
+    assert list(real["tokens_per_s"]) == pytest.approx([64 * 8192 / 80, 544 * 8192 / 400, 96 * 8192 / 200,
+                                                        544 * 4096 / 150])
+    assert list(real["at_max_batch"]) == [False, True, True, True]
+    ratio = list(real["tput_vs_fp16-prealloc"])
+    # only a max batch against the baseline's max batch at the same length: not batch 64, not 4,096 tokens
+    assert pd.isna(ratio[0]) and pd.isna(ratio[3])
+    assert ratio[1] == pytest.approx((544 / 400) / (96 / 200)) and ratio[2] == pytest.approx(1.0)
+    assert real_table([], points).empty
+
+
 def test_e2e_refuses_to_merge_into_a_run_of_other_settings(tmp_path, capsys):
     import json
 
