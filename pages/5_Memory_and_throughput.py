@@ -43,10 +43,13 @@ def charts(points: pd.DataFrame, key: str) -> None:
 saved = sorted((DATA / "results").glob("e2e_*.json"))
 st.subheader("Saved runs")
 if saved:
-    first = next((i for i, p in enumerate(saved) if "graph" in p.name), None)
-    pick = st.selectbox("Result file", saved, format_func=lambda p: p.name,
-                        index=first if first is not None else next((i for i, p in enumerate(saved) if "h200" in p.name), 0))
-    run = json.loads(pick.read_text())
+    runs = {p: json.loads(p.read_text()) for p in saved}
+    # first shown: the fullest comparison on a GPU (graph-decoded, the most caches)
+    fullest = max(saved, key=lambda p: (runs[p]["settings"].get("decode") == "graph",
+                                        runs[p]["settings"]["device"].startswith("cuda"),
+                                        len(runs[p]["settings"]["caches"])))
+    pick = st.selectbox("Result file", saved, format_func=lambda p: p.name, index=saved.index(fullest))
+    run = runs[pick]
     s = run["settings"]
     st.caption(f"{s['model']} on {s['gpu'] or s['device']} ({s['dtype']}, torch {s['torch']}, transformers "
                f"{s['transformers']}), prompt {s['prompt']} + {s['generate']} generated tokens"

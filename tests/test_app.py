@@ -83,6 +83,15 @@ def test_memory_page_charts_saved_runs_and_sweeps_live():
     at = run("pages/5_Memory_and_throughput.py")
     saved = chart(at)
     assert saved["data"][0]["x"]  # max batch per cache of a saved run
+    # shown first: the fullest graph-decoded GPU comparison; every other saved file renders its own caches
+    assert at.selectbox[0].value.name == "e2e_qwen3-8b_h200_graph.json"
+    for path in at.selectbox[0].options:
+        other = run("pages/5_Memory_and_throughput.py")
+        other.selectbox[0].set_value(ROOT / "data/results" / path).run()
+        assert not other.exception, other.exception
+        measured = {r["cache"] for r in json.loads((ROOT / "data/results" / path).read_text())["points"]
+                    if r.get("tokens_per_s")}
+        assert set(other.dataframe[0].value["cache"]) == measured
     assert any("expandable_segments" in c.value for c in at.caption)  # the saved run's allocator setting
     # each real generation against its estimate, and a command that only ran those says so
     run_file = json.loads((ROOT / "data/results/e2e_qwen3-8b_h200_graph.json").read_text())
