@@ -40,13 +40,20 @@ def charts(points: pd.DataFrame, key: str) -> None:
     st.download_button("Download (CSV)", table.to_csv(index=False), f"{key}.csv", "text/csv", key=f"{key}-csv")
 
 
-saved = sorted((DATA / "results").glob("e2e_*.json"))
 st.subheader("Saved runs")
+runs = {}
+for path in sorted((DATA / "results").glob("e2e_*.json")):
+    try:
+        runs[path] = json.loads(path.read_text())
+        runs[path]["settings"]["caches"]
+    except (ValueError, KeyError, TypeError) as err:  # a file this page cannot read is named, not fatal
+        st.warning(f"{path.name} is not an e2e result file `bench e2e --out` writes ({err!r}); skipped.")
+        runs.pop(path, None)
+saved = list(runs)
 if saved:
-    runs = {p: json.loads(p.read_text()) for p in saved}
     # first shown: the fullest comparison on a GPU (graph-decoded, the most caches)
     fullest = max(saved, key=lambda p: (runs[p]["settings"].get("decode") == "graph",
-                                        runs[p]["settings"]["device"].startswith("cuda"),
+                                        str(runs[p]["settings"].get("device", "")).startswith("cuda"),
                                         len(runs[p]["settings"]["caches"])))
     pick = st.selectbox("Result file", saved, format_func=lambda p: p.name, index=saved.index(fullest))
     run = runs[pick]

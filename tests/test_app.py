@@ -138,6 +138,22 @@ def test_memory_page_charts_saved_runs_and_sweeps_live():
     assert not at.exception and "context" in at.error[0].value
 
 
+def test_memory_page_names_result_files_it_cannot_read(tmp_path, monkeypatch):
+    import shutil
+
+    import kitty_app
+
+    (tmp_path / "results").mkdir()
+    shutil.copy(ROOT / "data/results/e2e_qwen3-8b_h200_graph.json", tmp_path / "results")
+    (tmp_path / "results/e2e_cut_short.json").write_text('{"settings": {"caches": ')
+    (tmp_path / "results/e2e_other.json").write_text('{"points": []}')
+    monkeypatch.setattr(kitty_app, "DATA", tmp_path)
+    at = run("pages/5_Memory_and_throughput.py")
+    warned = " ".join(w.value for w in at.warning)
+    assert "e2e_cut_short.json" in warned and "e2e_other.json" in warned
+    assert at.selectbox[0].options == ["e2e_qwen3-8b_h200_graph.json"] and at.get("plotly_chart")
+
+
 def test_generations_page_passkey_heatmap_saved_and_live():
     at = run("pages/4_Generations.py")
     heat = [c for c in at.get("plotly_chart") if "Passkey" in json.dumps(json.loads(c.proto.spec)["layout"])]
