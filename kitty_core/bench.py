@@ -319,7 +319,8 @@ def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
 
 def real_table(checks: list[dict], points: pd.DataFrame) -> pd.DataFrame:
     """Real generations (`e2e --validate`), one row each: the time, the tokens per second (every
-    sequence's generated tokens over the whole run, prefill included) and the estimate's error. A
+    sequence's generated tokens over the whole run, prefill included), the estimate's error and, on
+    a GPU, the mean SM clock and power meanwhile (`telemetry`). A
     generation at its cache's max batch (from `points`) is compared with each baseline's real
     generation of the same length at the baseline's max batch: the throughput target measured
     instead of estimated."""
@@ -335,7 +336,7 @@ def real_table(checks: list[dict], points: pd.DataFrame) -> pd.DataFrame:
             rows[f"tput_vs_{ref}"] = [tps / base[g] if at and g in base else None
                                       for tps, g, at in zip(rows["tokens_per_s"], rows["generate"], rows["at_max_batch"])]
     shown = ["cache", "batch", "at_max_batch", "prompt", "generate", "prefill_chunk", "measured_s", "tokens_per_s",
-             "estimated_s", "estimate_error"]
+             "estimated_s", "estimate_error", "sm_clock_mhz", "power_w"]
     return rows[[c for c in shown if c in rows] + [c for c in rows if c.startswith("tput_vs_")]]
 
 

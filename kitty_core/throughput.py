@@ -8,7 +8,7 @@ steps that pack pages, one every G steps (`pack_steps`), add what one costs beyo
 (`_packing_ms`). `validate` runs one real generation to check that estimate, at any batch (its prompt
 in the chunks the estimate fitted). A batch that holds the GPU at its power limit decodes a little
 slower over a whole generation than in the few consecutive steps timed at each length, so check
-the largest batches that way. With `graphs`, the caches that can (this library's) decode from CUDA
+the largest batches that way (a validation records the SM clock and power meanwhile, `telemetry`). With `graphs`, the caches that can (this library's) decode from CUDA
 graphs (graphs.py), the others eagerly. The largest batch is found by
 doubling until the GPU runs out of memory (or a memory budget is exceeded), then bisecting to within
 10%. Caches:
@@ -48,6 +48,7 @@ from .cache import KittyCache, KittyLayer
 from .config import parse_method
 from .graphs import GraphedDecoder, StepCounters, can_graph
 from .hf import PendingKV, num_attention_layers
+from .telemetry import sampled
 
 BASELINES = ("dynamic", "static", "static-compiled", "quantized", "fp16-prealloc")
 
@@ -628,12 +629,14 @@ def validate(model, kind: str, batch: int, prompt: int, generate: int, points: i
         for _ in range(generate):
             step()
 
-    real_s = _timed(run)
+    with sampled() as gpu:  # the clock over the whole run: a power-bound decode slows as it goes
+        real_s = _timed(run)
     del cache
     _free()
     est_s = estimate["prefill_s"] + estimate["decode_s"]
     return {"cache": kind, "batch": batch, "prompt": prompt, "generate": generate, "prefill_chunk": chunk,
-            "decode": mode[0], "measured_s": real_s, "estimated_s": est_s, "estimate_error": est_s / real_s - 1}
+            "decode": mode[0], "measured_s": real_s, "estimated_s": est_s, "estimate_error": est_s / real_s - 1,
+            **gpu}
 
 
 def sweep(model, caches, prompt: int, generate: int, equal_batch: int | None = None, budget_bytes: int | None = None,

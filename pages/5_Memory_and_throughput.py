@@ -82,7 +82,9 @@ if saved:
             st.caption(f"{r['cache']}, batch {r['batch']}{' (its max)' if r['at_max_batch'] else ''}: a real "
                        f"generation of {r['generate']} tokens took {r['measured_s']:.1f} s, "
                        f"{r['tokens_per_s']:,.0f} tokens/s" + (f", {', '.join(ratios)}" if ratios else "")
-                       + f"; the estimate {r['estimated_s']:.1f} s ({r['estimate_error']:+.1%}).")
+                       + f"; the estimate {r['estimated_s']:.1f} s ({r['estimate_error']:+.1%})"
+                       + (f"; SM clock {r['sm_clock_mhz']:,.0f} MHz at {r['power_w']:.0f} W on average"
+                          if pd.notna(r.get("sm_clock_mhz")) else "") + ".")
 else:
     st.info("No saved runs in data/results (e2e_*.json).")
 

@@ -138,13 +138,13 @@ def test_memory_page_charts_saved_runs_and_sweeps_live():
     assert not at.exception and "context" in at.error[0].value
 
 
-def test_memory_page_names_result_files_it_cannot_read(tmp_path, monkeypatch):
-    import shutil
-
+def test_memory_page_skips_unreadable_files_and_shows_a_validations_clock(tmp_path, monkeypatch):
     import kitty_app
 
     (tmp_path / "results").mkdir()
-    shutil.copy(ROOT / "data/results/e2e_qwen3-8b_h200_graph.json", tmp_path / "results")
+    saved = json.loads((ROOT / "data/results/e2e_qwen3-8b_h200_graph.json").read_text())
+    saved["validation"][-1].update(sm_clock_mhz=1869.2, power_w=682.4)  # as `telemetry` records them on a GPU
+    (tmp_path / "results/e2e_qwen3-8b_h200_graph.json").write_text(json.dumps(saved))
     (tmp_path / "results/e2e_cut_short.json").write_text('{"settings": {"caches": ')
     (tmp_path / "results/e2e_other.json").write_text('{"points": []}')
     monkeypatch.setattr(kitty_app, "DATA", tmp_path)
@@ -152,6 +152,7 @@ def test_memory_page_names_result_files_it_cannot_read(tmp_path, monkeypatch):
     warned = " ".join(w.value for w in at.warning)
     assert "e2e_cut_short.json" in warned and "e2e_other.json" in warned
     assert at.selectbox[0].options == ["e2e_qwen3-8b_h200_graph.json"] and at.get("plotly_chart")
+    assert sum("SM clock 1,869 MHz at 682 W" in c.value for c in at.caption) == 1
 
 
 def test_generations_page_passkey_heatmap_saved_and_live():

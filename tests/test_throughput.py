@@ -195,6 +195,20 @@ def test_real_generations_compare_max_batches_of_the_same_length():
     assert real_table([], points).empty
 
 
+def test_gpu_telemetry_reads_nvidia_smi_lines_and_is_empty_without_a_gpu(monkeypatch):
+    import torch
+
+    from kitty_core import telemetry
+
+    got = telemetry.summarize("1680, 690.5\n[N/A], [N/A]\n1320, 701.5\nclocks.sm [MHz], power.draw [W]\n")
+    assert got == {"sm_clock_mhz": 1500.0, "sm_clock_min_mhz": 1320.0, "power_w": 696.0, "gpu_samples": 2}
+    assert telemetry.summarize("") == {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with telemetry.sampled() as gpu:
+        pass
+    assert gpu == {}
+
+
 def test_e2e_refuses_to_merge_into_a_run_of_other_settings(tmp_path, capsys):
     import json
 
