@@ -75,6 +75,13 @@ if saved:
     if not real.empty:
         st.markdown("**Real generations** (`--validate`): the whole prompt and every generated token, timed, "
                     "against the estimate integrated from timed steps")
+        bars = real.assign(run=[f"{c}, batch {b}, {g} tokens" for c, b, g in zip(real["cache"], real["batch"],
+                                                                               real["generate"])])
+        bars = pd.concat([bars.assign(timing="measured", rate=bars["tokens_per_s"]),
+                          bars.assign(timing="estimated", rate=bars["batch"] * bars["generate"] / bars["estimated_s"])])
+        fig = px.bar(bars, x="run", y="rate", color="timing", barmode="group", labels={"rate": "tokens/s", "run": ""},
+                     title="Real generations against their estimates")
+        st.plotly_chart(fig, width="stretch", key="saved-real")
         st.dataframe(real, hide_index=True)
         for r in real.to_dict("records"):
             ratios = [f"{x:.2f}x {c.removeprefix('tput_vs_')}'s at its max batch" for c, x in r.items()

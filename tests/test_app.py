@@ -99,6 +99,11 @@ def test_memory_page_charts_saved_runs_and_sweeps_live():
         assert any(f"{check['cache']}, batch {check['batch']}" in c.value and f"a real generation of "
                    f"{check['generate']} tokens took {check['measured_s']:.1f} s" in c.value for c in at.caption)
     real = next(d.value for d in at.dataframe if "estimate_error" in d.value)  # the real generations' table
+    bars = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    bars = next(c for c in bars if "Real generations" in json.dumps(c["layout"]))
+    measured = next(t for t in bars["data"] if t["name"] == "measured")
+    assert numbers(measured["y"]) == pytest.approx([c["batch"] * c["generate"] / c["measured_s"]
+                                                    for c in run_file["validation"]])
     assert list(real["measured_s"]) == pytest.approx([c["measured_s"] for c in run_file["validation"]])
     # a preset's real generation at its max batch against fp16-prealloc's of the same length at its own
     for check in run_file["validation"]:
