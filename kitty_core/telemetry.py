@@ -30,17 +30,19 @@ def summarize(text: str) -> dict:
             "power_w": sum(watts) / len(watts), "gpu_samples": len(clocks)}
 
 
-def _smi_id(device: torch.device | None) -> str:
+def _smi_id(device: torch.device | str | None) -> str:
     """The GPU as nvidia-smi names it: by UUID, which CUDA_VISIBLE_DEVICES cannot renumber."""
     return f"GPU-{torch.cuda.get_device_properties(device or torch.cuda.current_device()).uuid}"
 
 
 @contextmanager
-def sampled(period_ms: int = 500, device: torch.device | None = None) -> Iterator[dict]:
-    """Yields a dict that, once the block ends, holds `summarize` of the samples taken meanwhile;
-    it stays empty without a CUDA GPU or without nvidia-smi."""
+def sampled(period_ms: int = 500, device: torch.device | str | None = None) -> Iterator[dict]:
+    """Yields a dict that, once the block ends, holds `summarize` of the samples of `device` (by
+    default the current CUDA device) taken meanwhile; it stays empty for a device that is not a CUDA
+    GPU, and without nvidia-smi."""
     summary: dict = {}
-    smi = shutil.which("nvidia-smi") if torch.cuda.is_available() else None
+    on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    smi = shutil.which("nvidia-smi") if on_gpu else None
     proc = None
     if smi:
         proc = subprocess.Popen([smi, f"--id={_smi_id(device)}", "--query-gpu=clocks.sm,power.draw",

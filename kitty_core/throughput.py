@@ -8,10 +8,10 @@ steps that pack pages, one every G steps (`pack_steps`), add what one costs beyo
 (`_packing_ms`). `validate` runs one real generation to check that estimate, at any batch (its prompt
 in the chunks the estimate fitted). A batch that holds the GPU at its power limit decodes a little
 slower over a whole generation than in the few consecutive steps timed at each length, so check
-the largest batches that way (a validation records the SM clock and power meanwhile, `telemetry`). With `graphs`, the caches that can (this library's) decode from CUDA
-graphs (graphs.py), the others eagerly. The largest batch is found by
-doubling until the GPU runs out of memory (or a memory budget is exceeded), then bisecting to within
-10%. Caches:
+the largest batches that way (a validation records the SM clock and power meanwhile, `telemetry`).
+With `graphs`, the caches that can (this library's) decode from CUDA graphs (graphs.py), the others
+eagerly. The largest batch is found by doubling until the GPU runs out of memory (or a memory budget
+is exceeded), then bisecting to within 10%. Caches:
 
     dynamic         transformers DynamicCache (FP16/bf16, grows by concatenation)
     static          transformers StaticCache (preallocated to the full length), eager
@@ -629,7 +629,7 @@ def validate(model, kind: str, batch: int, prompt: int, generate: int, points: i
         for _ in range(generate):
             step()
 
-    with sampled() as gpu:  # the clock over the whole run: a power-bound decode slows as it goes
+    with sampled(device=device) as gpu:  # the clock over the whole run: a power-bound decode slows as it goes
         real_s = _timed(run)
     del cache
     _free()

@@ -203,6 +203,9 @@ def test_gpu_telemetry_reads_nvidia_smi_lines_and_is_empty_without_a_gpu(monkeyp
     got = telemetry.summarize("1680, 690.5\n[N/A], [N/A]\n1320, 701.5\nclocks.sm [MHz], power.draw [W]\n")
     assert got == {"sm_clock_mhz": 1500.0, "sm_clock_min_mhz": 1320.0, "power_w": 696.0, "gpu_samples": 2}
     assert telemetry.summarize("") == {}
+    with telemetry.sampled(device="cpu") as gpu:  # a model on the CPU, GPU or not
+        pass
+    assert gpu == {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with telemetry.sampled() as gpu:
         pass
