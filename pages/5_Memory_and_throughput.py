@@ -44,11 +44,12 @@ st.subheader("Saved runs")
 runs = {}
 for path in sorted((DATA / "results").glob("e2e_*.json")):
     try:
-        runs[path] = json.loads(path.read_text())
-        runs[path]["settings"]["caches"]
+        found = json.loads(path.read_text())
+        if not isinstance(found["settings"]["caches"], list):
+            raise TypeError("settings.caches is not a list")
+        runs[path] = found
     except (ValueError, KeyError, TypeError) as err:  # a file this page cannot read is named, not fatal
         st.warning(f"{path.name} is not an e2e result file `bench e2e --out` writes ({err!r}); skipped.")
-        runs.pop(path, None)
 saved = list(runs)
 if saved:
     # first shown: the fullest comparison on a GPU (graph-decoded, the most caches)

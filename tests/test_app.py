@@ -83,6 +83,7 @@ def test_memory_page_charts_saved_runs_and_sweeps_live():
     at = run("pages/5_Memory_and_throughput.py")
     saved = chart(at)
     assert saved["data"][0]["x"]  # max batch per cache of a saved run
+    assert not at.json  # nothing written by Streamlit's magic (a bare expression in the page's script)
     # shown first: the fullest graph-decoded GPU comparison; every other saved file renders its own caches
     assert at.selectbox[0].value.name == "e2e_qwen3-8b_h200_graph.json"
     for path in at.selectbox[0].options:
