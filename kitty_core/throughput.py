@@ -268,6 +268,9 @@ def forward(model, cache: Cache, ids: torch.Tensor):
             return cache.decode_call(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         except Exception as err:  # torch.compile could not build it here: not a measurement, a missing part
             if _is_oom(err):
+                # out of memory inside the compiled call leaves its CUDA graph trees unusable (the
+                # next call, at any batch, fails an assertion): the next one compiles afresh
+                release_compiled(model)
                 raise
             raise CacheUnavailable(f"transformers' compiled decode failed here ({type(err).__name__}: "
                                    f"{str(err).splitlines()[0] if str(err) else ''})") from err

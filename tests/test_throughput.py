@@ -151,6 +151,47 @@ def test_compiled_static_cache_decodes_through_the_compiled_call():
     assert not hasattr(model, "_compiled_call")
 
 
+def test_out_of_memory_in_the_compiled_decode_drops_the_compiled_call():
+    """An out of memory inside the compiled decode (a batch too large for its CUDA graphs) leaves
+    torch.compile's graph trees unusable, so `forward` drops the compiled call before re-raising:
+    the next cache, at a batch that fits, compiles afresh and decodes."""
+    import torch
+    import torch._dynamo
+    from transformers import CompileConfig, DynamicCache
+
+    from conftest import tiny_model
+    from kitty_core.throughput import CompiledStaticCache, forward
+
+    calls = {"n": 0}
+
+    def backend(gm, example_inputs):  # the first compiled call runs out of memory, later ones run
+        def run(*args):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return gm.forward(*args)
+        return run
+
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    config = CompileConfig(backend=backend, mode=None)
+    ids = torch.randint(3, 256, (2, 9))
+    with torch.inference_mode():
+        big = CompiledStaticCache(model, 16, config)
+        forward(model, big, ids[:, :8])
+        with pytest.raises(torch.OutOfMemoryError):
+            forward(model, big, ids[:, 8:])
+        assert not hasattr(model, "_compiled_call")
+        ours, theirs = CompiledStaticCache(model, 16, config), DynamicCache(config=model.config)
+        forward(model, ours, ids[:, :8])
+        model(input_ids=ids[:, :8], past_key_values=theirs, use_cache=True)
+        a = forward(model, ours, ids[:, 8:]).logits
+        b = model(input_ids=ids[:, 8:], past_key_values=theirs, use_cache=True, logits_to_keep=1).logits
+    torch.testing.assert_close(a, b)
+    assert calls["n"] >= 2
+    torch._dynamo.reset()
+
+
 def _run_file(caches, points, command=None):
     settings = {"model": "random:qwen3-8b", "prompt": 512, "generate": 8192, "points": 3, "caches": caches}
     if command:
