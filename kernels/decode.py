@@ -532,14 +532,10 @@ def _online_update(m_i, l_i, acc, s):
 
 
 @triton.jit
-def _online_update4(m_i, lt, live, s0, s1, s2, s3):
-    """Fold a page's four score tiles [R, G/4] (all -inf unless `live`) into a running softmax whose
-    denominator is kept as a tile lt [R, G/4], summed over its columns once by the caller: per page
-    the only reduction across lanes is the row max. Returns (m, lt, alpha [R, 1], p0, p1, p2, p3)."""
-    s0 = tl.where(live, s0, float("-inf"))
-    s1 = tl.where(live, s1, float("-inf"))
-    s2 = tl.where(live, s2, float("-inf"))
-    s3 = tl.where(live, s3, float("-inf"))
+def _online_update4(m_i, lt, s0, s1, s2, s3):
+    """Fold a page's four score tiles [R, G/4] into a running softmax whose denominator is kept as a
+    tile lt [R, G/4], summed over its columns once by the caller: per page the only reduction across
+    lanes is the row max. Returns (m, lt, alpha [R, 1], p0, p1, p2, p3)."""
     m_new = tl.maximum(m_i, tl.max(tl.maximum(tl.maximum(s0, s1), tl.maximum(s2, s3)), 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)[:, None]
     alpha = tl.exp(m_i[:, None] - m_safe)
@@ -660,8 +656,7 @@ def _decode_tail_kernel(
                 s1 = _kv_part_scores(qn, scaling, KB, kb, sKBt, count, 1, G4, D)
                 s2 = _kv_part_scores(qn, scaling, KB, kb, sKBt, count, 2, G4, D)
                 s3 = _kv_part_scores(qn, scaling, KB, kb, sKBt, count, 3, G4, D)
-            m_i, lt, alpha, p0, p1, p2, p3 = _online_update4(m_i, tl.zeros((REP_P, G4), tl.float32), True,
-                                                              s0, s1, s2, s3)
+            m_i, lt, alpha, p0, p1, p2, p3 = _online_update4(m_i, tl.zeros((REP_P, G4), tl.float32), s0, s1, s2, s3)
             l_i = tl.sum(lt, 1)
             vw = b * sVWb + h * sVWh + (chunk - 1) * G * sVWt
             acc = acc * alpha
