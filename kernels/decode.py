@@ -413,15 +413,20 @@ def _value_scaled_plane(wide, hwide, P: tl.constexpr, V4: tl.constexpr, BIAS: tl
 
 
 @triton.jit
-def _page_values_s(p, vs, vz, a0, a1, a2, a3, zt, bt, raw, hraw, V4: tl.constexpr, BIAS: tl.constexpr):
+def _page_values_s(p, vs, vz, a0, a1, a2, a3, zt, bt, raw, hraw, V4: tl.constexpr, BIAS: tl.constexpr,
+                   HOLD_P: tl.constexpr):
     """Add p [G/4, R] (probabilities of a quarter's tokens) times their values to the channel-plane
     accumulators a0..a3 [D/4, R] (raw, hraw: the quarter's value bytes [D/4, G/4]). Accumulator P
     gathers 4^P x the weighted codes plus 1024 x the weights: the per-token scales vs are folded
     into the weights, and the zero terms (zt) and weights (bt) are kept as [G/4, R] tiles for the
-    end of the loop."""
+    end of the loop. HOLD_P (a diagnostic, wrong outputs): the dots take a constant operand instead
+    of the weights, which spares the weights' move from the scores' layout (rows split across the
+    warps by token) into the dots' operand layout (every token in each warp)."""
     pw = (p * vs[:, None]).to(tl.float16)
     zt += p * vz[:, None]
     bt += pw.to(tl.float32)
+    if HOLD_P:
+        pw = tl.full(pw.shape, 1.0, tl.float16)
     wide = _widen(raw, BIAS)
     hwide = _widen(hraw, BIAS)
     a0 = tl.dot(_value_scaled_plane(wide, hwide, 0, V4, BIAS), pw, a0)
@@ -685,7 +690,8 @@ def _decode_pages_kernel(
 ):
     """PPP page slots whose keys and values are both packed, from slot program_id(1) * PPP, into
     partial NT + 1 + program_id(1). ABLATE (diagnostics for `bench kernels --ablate`, 0 in use):
-    1 keys only, 2 plain loads of the packed planes (no unpacking, no dots)."""
+    1 keys only, 2 plain loads of the packed planes (no unpacking, no dots), 3 the value dots on a
+    constant operand instead of the probabilities (`_page_values_s`)."""
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
     b = tl.program_id(0) // HKV
@@ -775,7 +781,7 @@ def _decode_pages_kernel(
                 a3 = a3 * alpha
                 zt = zt * alpha
                 bt = bt * alpha
-                if ABLATE == 0:  # this page's values, a token quarter at a time: [D/4, G/4] bytes
+                if ABLATE == 0 or ABLATE == 3:  # this page's values, a quarter of tokens at a time
                     vb = vpage * sVLp + h * sVLh + c[:, None] * sVLc
                     t = g[None, :] * sVLt
                     vr0 = tl.load(VL + vb + t)
@@ -791,10 +797,14 @@ def _decode_pages_kernel(
                         vh1 = tl.load(VH + vb + G4 * sVLt + t)
                         vh2 = tl.load(VH + vb + 2 * G4 * sVLt + t)
                         vh3 = tl.load(VH + vb + 3 * G4 * sVLt + t)
-                    a0, a1, a2, a3, zt, bt = _page_values_s(p0, vs0, vz0, a0, a1, a2, a3, zt, bt, vr0, vh0, V4, BIAS)
-                    a0, a1, a2, a3, zt, bt = _page_values_s(p1, vs1, vz1, a0, a1, a2, a3, zt, bt, vr1, vh1, V4, BIAS)
-                    a0, a1, a2, a3, zt, bt = _page_values_s(p2, vs2, vz2, a0, a1, a2, a3, zt, bt, vr2, vh2, V4, BIAS)
-                    a0, a1, a2, a3, zt, bt = _page_values_s(p3, vs3, vz3, a0, a1, a2, a3, zt, bt, vr3, vh3, V4, BIAS)
+                    a0, a1, a2, a3, zt, bt = _page_values_s(p0, vs0, vz0, a0, a1, a2, a3, zt, bt, vr0, vh0, V4,
+                                                            BIAS, ABLATE == 3)
+                    a0, a1, a2, a3, zt, bt = _page_values_s(p1, vs1, vz1, a0, a1, a2, a3, zt, bt, vr1, vh1, V4,
+                                                            BIAS, ABLATE == 3)
+                    a0, a1, a2, a3, zt, bt = _page_values_s(p2, vs2, vz2, a0, a1, a2, a3, zt, bt, vr2, vh2, V4,
+                                                            BIAS, ABLATE == 3)
+                    a0, a1, a2, a3, zt, bt = _page_values_s(p3, vs3, vz3, a0, a1, a2, a3, zt, bt, vr3, vh3, V4,
+                                                            BIAS, ABLATE == 3)
                 ch = ch_next
         l_i += tl.sum(lt, 0)
         if ABLATE == 2:

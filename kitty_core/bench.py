@@ -234,8 +234,9 @@ def pack_cost(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=tor
 
 def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, **launch) -> pd.DataFrame:
     """Where the fused kernel's GPU time goes, one shape: the full kernel with codes unpacked four at
-    a time in PTX and element by element, keys only, and plain loads of the same packed planes
-    (diagnostic variants of the page loop)."""
+    a time in PTX and element by element, keys only, plain loads of the same packed planes, and the
+    value dots on a constant operand, which spares the probabilities' move between the warps
+    (diagnostic variants of the page loop; their outputs are wrong)."""
     from kernels.decode import decode_attention
 
     batch, length = shape
@@ -245,7 +246,8 @@ def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.
     read = sum(layer.nbytes().values())
     variants = [("full kernel, PTX unpack", {}), ("full kernel, per-element unpack", {"unpack": "bits"}),
                 ("full kernel, int->fp16 conversions in the tail (pages: per element)", {"unpack": "convert"}),
-                ("keys only", {"ablate": 1}), ("packed planes, plain loads", {"ablate": 2})]
+                ("keys only", {"ablate": 1}), ("packed planes, plain loads", {"ablate": 2}),
+                ("value dots on a constant, not the probabilities", {"ablate": 3})]
     for what, kw in variants:
         ws = {}
         ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state, **kw, **launch)))
