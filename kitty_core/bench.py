@@ -234,9 +234,9 @@ def pack_cost(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=tor
 
 def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, **launch) -> pd.DataFrame:
     """Where the fused kernel's GPU time goes, one shape: the full kernel with codes unpacked four at
-    a time in PTX and element by element, keys only, plain loads of the same packed planes, and the
-    value dots on a constant operand, which spares the probabilities' move between the warps
-    (diagnostic variants of the page loop; their outputs are wrong)."""
+    a time in PTX and element by element; then diagnostic variants of the page loop, whose outputs
+    are wrong: keys only, plain loads of the same packed planes, and the value dots on a constant
+    operand (which spares the probabilities' move between the warps)."""
     from kernels.decode import decode_attention
 
     batch, length = shape
