@@ -974,12 +974,7 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
     n_chunks = 1 + nt + -(-slots // ppp)
     q = query[:, :, 0]
     ws = workspace if workspace is not None else {}
-    if ws.get("shape") != (b, hq, n_chunks, d, query.dtype):
-        ws.update(shape=(b, hq, n_chunks, d, query.dtype),
-                  m=torch.empty((b, hq, n_chunks), device=q.device, dtype=torch.float32),
-                  l=torch.empty((b, hq, n_chunks), device=q.device, dtype=torch.float32),
-                  acc=torch.empty((b, hq, n_chunks, d), device=q.device, dtype=partial_dtype(query.dtype)))
-    m, l, acc = ws["m"], ws["l"], ws["acc"]
+    m, l, acc = _partials(ws, b, hq, n_chunks, d, query.dtype, q.device)
     args = (q, q.stride(0), q.stride(1), *_kernel_args(layer, st),
             m, l, acc, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), scaling)
     consts = dict(**shape, PPP=ppp, NT=nt, BIAS=_bias(unpack, cuda), ABLATE=ablate)
@@ -1013,6 +1008,28 @@ def decode_launches(layer, query: torch.Tensor, scaling: float, workspace: dict 
                                       m if lse is None else lse),
          dict(HQ=hq, C_P=c_p, D=d, WITH_LSE=lse is not None, num_warps=combine_warps(c_p))),
     ], out
+
+
+def _partials(ws: dict, b: int, hq: int, n_chunks: int, d: int, dtype, device):
+    """The chunks' partial softmax state (max, sum, output) in workspace `ws`, allocated on a new shape."""
+    if ws.get("shape") != (b, hq, n_chunks, d, dtype):
+        ws.update(shape=(b, hq, n_chunks, d, dtype),
+                  m=torch.empty((b, hq, n_chunks), device=device, dtype=torch.float32),
+                  l=torch.empty((b, hq, n_chunks), device=device, dtype=torch.float32),
+                  acc=torch.empty((b, hq, n_chunks, d), device=device, dtype=partial_dtype(dtype)))
+    return ws["m"], ws["l"], ws["acc"]
+
+
+def step_workspace(layer, q_heads: int, workspace: dict) -> list[torch.Tensor]:
+    """Allocate in `workspace` the partials that decode steps from device counters will use (grids
+    over the layer's capacity, queries in the layer's dtype), before any graph is captured: a graph
+    must not keep tensors it allocated while recording. Returns them."""
+    rep_p = max(4, triton.next_power_of_2(q_heads // layer.heads))
+    slots = layer.capacity_slots()
+    cuda = layer.device.type == "cuda"
+    ppp = launch_plan(layer.batch * layer.heads, slots, rep_p, _sm_count(layer.device) if cuda else 132)[0]
+    n_chunks = 1 + _tail_slots(layer.config) + -(-slots // ppp)
+    return list(_partials(workspace, layer.batch, q_heads, n_chunks, layer.head_dim, layer.dtype, layer.device))
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:

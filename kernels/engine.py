@@ -20,7 +20,7 @@ import torch
 from kitty_core.cache import ReferenceEngine
 
 from . import pack
-from .decode import decode_attention, key_dots_of, prefill_attention, prefill_launches
+from .decode import decode_attention, key_dots_of, prefill_attention, prefill_launches, step_workspace
 
 # A later prefill chunk attends on the pages when its history takes at most this many decode-kernel
 # launches (16 query rows each: 32 tokens of a GQA group of 4), else over the dense FP16 history if
@@ -83,10 +83,6 @@ class TritonEngine(ReferenceEngine):
         if on_pages and prefill_launches(query.shape[1] // layer.heads, query.shape[2]) <= SHORT_CHUNK_LAUNCHES:
             return self._chunk_on_pages(layer, query, key_new, value_new, scaling)
         if key_new.shape[2] != 1 or not self.supports(layer, query):
-            if layer.steps is not None:
-                raise ValueError("decode steps from device counters need the Triton kernels, which take "
-                                 f"{'one new token' if key_new.shape[2] != 1 else 'this layer and query'} "
-                                 "only on CUDA (or in the interpreter) with power-of-two page and head sizes")
             try:
                 out = self.attend_dense(layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
             except torch.OutOfMemoryError:
@@ -100,17 +96,26 @@ class TritonEngine(ReferenceEngine):
                 # decode steps read the packed state, so the view is freed, not kept beside it
                 layer.drop_dense_view()
             return out
-        device_step = layer.steps is not None  # a step from device counters (graphs.py): the host packs later
-        new = None
-        if device_step:  # the kernels write the token, at the counters' positions
-            new = (key_new, value_new, layer.steps.write)
-        else:
-            layer.insert(key_new, value_new, pack=False)
+        layer.insert(key_new, value_new, pack=False)
         ws = self.workspaces.setdefault(layer.layer_idx, {})
-        out = decode_attention(layer, query, scaling, ws, new=new, key_dots=self.key_dots)
-        if not device_step:
-            layer.pack_full()
+        out = decode_attention(layer, query, scaling, ws, key_dots=self.key_dots)
+        layer.pack_full()
         return out.transpose(1, 2), None  # transformers expects [B, t, Hq, D]
+
+    def prepare_steps(self, layer, q_heads: int) -> list[torch.Tensor]:
+        """Before decode steps from device counters: their workspace, allocated now (returned)."""
+        return step_workspace(layer, q_heads, self.workspaces.setdefault(layer.layer_idx, {}))
+
+    def device_step(self, layer, query, key_new, value_new, scaling: float) -> torch.Tensor:
+        """A decode step from device counters (`kitty::decode_step`): query [B, Hq, 1, D] ->
+        [B, 1, Hq, D]. The kernels write the token at the counters' positions as they attend; the
+        host's record and any packing follow after the step (`KittyCache.end_step`)."""
+        if layer.config.selection == "qk":
+            layer.track_step_queries(query)
+        ws = self.workspaces.setdefault(layer.layer_idx, {})
+        out = decode_attention(layer, query, scaling, ws, new=(key_new, value_new, layer.steps.write),
+                               key_dots=self.key_dots)
+        return out.transpose(1, 2)
 
     def _chunk_on_pages(self, layer, query, key_new, value_new, scaling):
         out = prefill_attention(layer, query, key_new, value_new, scaling, self.key_dots)

@@ -492,6 +492,32 @@ def run_profile(a) -> int:
     return 0
 
 
+def run_generate(a) -> int:
+    from . import generate_speed as gs
+    from .models import ModelLoadError, load_model
+
+    try:
+        batches = [int(b) for b in a.batch.split(",")]
+        lm = load_model(a.model, device=a.device, dtype=a.dtype)
+    except (ValueError, ModelLoadError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    paths = a.paths.split(",")
+    tables = [gs.measure(lm.model, paths, b, a.prompt, a.new) for b in batches]
+    table = pd.concat(tables, ignore_index=True)
+    print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"), flush=True)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        table.to_csv(a.out, index=False)
+    if a.second:
+        for path in (p for p in paths if ":" not in p and p != "dynamic"):
+            print(gs.second_requests(lm.model, path, batches[-1], a.prompt, a.new).to_string(index=False), flush=True)
+    if a.calls:
+        for method in dict.fromkeys(p.partition(":")[0] for p in paths if p != "dynamic"):
+            print(method, gs.attention_call_us(lm.model, method, batches[-1], a.prompt), flush=True)
+    return 0
+
+
 def _count(minimum: int):
     """An argparse type: an integer of at least `minimum`, or a usage error that says so."""
     def parse(text: str) -> int:
@@ -553,6 +579,19 @@ def main(argv=None) -> int:
     f.add_argument("--length", type=_count(1), default=4096, help="tokens in the cache")
     f.add_argument("--decode", choices=("graph", "eager"), default="graph")
     f.add_argument("--no-fuse", dest="fuse", action="store_false", help="keep transformers' RMSNorm and rotary code")
+    g = sub.add_parser("generate", help="transformers' generate with each cache against the graphed loop")
+    g.add_argument("--model", default="random:qwen3-8b")
+    g.add_argument("--device", default=None)
+    g.add_argument("--dtype", default=None)
+    g.add_argument("--paths", default="dynamic,kitty-pro:host,kitty-pro:eager,kitty-pro,kitty-pro:graphed",
+                   help="see kitty_core.generate_speed")
+    g.add_argument("--batch", default="64", help="batch sizes, comma-separated")
+    g.add_argument("--prompt", type=_count(1), default=512)
+    g.add_argument("--new", type=_count(2), default=192, help="tokens generated per sequence")
+    g.add_argument("--second", action="store_true", help="also: a compiled path's calls at another prompt "
+                   "length and batch")
+    g.add_argument("--calls", action="store_true", help="also: host time of one eager decode-attention call")
+    g.add_argument("--out", type=Path, default=None, help="CSV file")
     w = sub.add_parser("app", help="seconds to first and later renders of every lab page in chromium")
     w.add_argument("--chromium", default="/usr/bin/chromium")
     w.add_argument("--visits", type=int, default=2)
@@ -566,6 +605,8 @@ def main(argv=None) -> int:
         return run_e2e(a)
     if a.what == "profile":
         return run_profile(a)
+    if a.what == "generate":
+        return run_generate(a)
     if a.what == "app":
         print(time_app(a.chromium, a.log, a.visits).pivot(index="page", columns="visit", values="seconds")
               .round(1).to_string(), flush=True)

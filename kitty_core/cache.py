@@ -22,6 +22,7 @@ reads it to attend. The transformers glue (attention function, mask) is in `hf.p
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import fields
 
 import numpy as np
@@ -206,11 +207,7 @@ class PagePool:
             self.store = {f.name: self._zeros(f.name, getattr(pages, f.name), 0) for f in fields(pages)}
         cap = next(iter(self.store.values())).shape[0]
         if self.count + n > cap:
-            new_cap = max(self.count + n, 2 * cap, 4)
-            for name, t in self.store.items():
-                grown = self._zeros(name, t, new_cap)
-                grown[: self.count] = t[: self.count]
-                self.store[name] = grown
+            self._grow(max(self.count + n, 2 * cap, 4))
         for f in fields(pages):
             self.store[f.name][self.count : self.count + n] = getattr(pages, f.name)
         self.count += n
@@ -224,8 +221,18 @@ class PagePool:
         return self.kind(**{name: t.index_select(0, index) for name, t in self.store.items()})
 
     def reserve(self, template: KeyPages | ValuePages, pages: int) -> None:
-        """Allocate room for `pages` pages shaped like `template` up front (no doubling later)."""
-        self.store = {f.name: self._zeros(f.name, getattr(template, f.name), pages) for f in fields(template)}
+        """Room for `pages` pages in all, shaped like `template`, from now on (the pages held are kept):
+        no doubling until they are used up."""
+        if self.store is None:
+            self.store = {f.name: self._zeros(f.name, getattr(template, f.name), pages) for f in fields(template)}
+        elif pages > next(iter(self.store.values())).shape[0]:
+            self._grow(pages)
+
+    def _grow(self, pages: int) -> None:
+        for name, t in self.store.items():
+            grown = self._zeros(name, t, pages)
+            grown[: self.count] = t[: self.count]
+            self.store[name] = grown
 
     @classmethod
     def _zeros(cls, name: str, like: torch.Tensor, pages: int) -> torch.Tensor:
@@ -304,14 +311,18 @@ class KittyLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, config: KittyConfig, engine, layer_idx: int = 0, max_length: int | None = None):
+    def __init__(self, config: KittyConfig, engine, layer_idx: int = 0, max_length: int | None = None,
+                 owner: "KittyCache | None" = None):
         super().__init__()
         self.config = config
         self.engine = engine
         self.layer_idx = layer_idx
         self.max_length = max_length  # tokens per sequence to reserve page pools for (None: grow on demand)
+        self.capacity = max_length  # tokens per sequence the pools and page tables hold without moving
         self.seen = 0  # tokens seen per sequence in the padded layout (pads included)
         self.steps = None  # StepCounters while decode steps run from device counters (graphs.py)
+        self.owner = weakref.ref(owner) if owner is not None else lambda: None
+        self.last = owner is None  # the model's last attention layer: it ends a device-driven step
         self.generator = torch.Generator().manual_seed(config.seed * 100_003 + layer_idx)
 
     # -- transformers CacheLayerMixin -------------------------------------------------------------
@@ -335,11 +346,8 @@ class KittyLayer(CacheLayerMixin):
         width = self.capacity_slots() if self.max_length else 16
         self.k_pages = PagePool(KeyPages, b, self.device, width)
         self.v_pages = PagePool(ValuePages, b, self.device, width)
-        if c.quantize and self.max_length:
-            pages = b * max(0, self.max_length - c.sink) // c.group_size
-            x = torch.zeros((1, h, c.group_size, d), device=self.device)
-            self.k_pages.reserve(quantize_keys(x, self.n_boost), pages)
-            self.v_pages.reserve(quantize_values(x, c.value_bits), pages)
+        if self.max_length:
+            self.reserve(self.max_length)
         self._view_k = self._view_v = None  # dense view for the reference engine, see dense_history
         self._clean = np.zeros(b, dtype=np.int64)  # tokens of each sequence the dense view holds as they are now
         self._pads = None  # (pads, the same on the device) for kernel_state
@@ -358,6 +366,10 @@ class KittyLayer(CacheLayerMixin):
         return self.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.steps is not None and query_length == 1:
+            # a device-driven step masks by its counters, not by this mask: a fixed [B, 1, 1, 1] stand-in
+            # keeps a compiled step's inputs the same shape at every length
+            return 1, 0
         return self.seen + query_length, 0
 
     def get_max_length(self) -> int:
@@ -376,7 +388,36 @@ class KittyLayer(CacheLayerMixin):
         return self.seen - self.pad[b]
 
     def attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
-        """Attend over history + the new tokens (FP16), then insert them and pack full buffers."""
+        """Attend over history + the new tokens (FP16), then insert them and pack full buffers.
+
+        A decode step from device counters reads nothing from the host's record, so that torch.compile
+        traces it into the model's graph (`ops`); every other call is host bookkeeping, which compiled
+        code runs as it is (`_host_attend`)."""
+        if self.steps is not None and key_new.shape[2] == 1:
+            return self._device_attend(query, key_new, value_new, scaling)
+        return self._host_attend(module, query, key_new, value_new, attention_mask, scaling, **kwargs)
+
+    def _device_attend(self, query, key_new, value_new, scaling):
+        from . import ops  # noqa: F401  (registers the operators)
+
+        lens = self.steps.lens
+        scaling = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+        out = torch.ops.kitty.decode_step(query, key_new, value_new, lens, self.layer_idx, scaling)
+        if self.last and self.steps.by_operator:
+            out = torch.ops.kitty.end_step(out, lens)
+        return out, None
+
+    @torch.compiler.disable
+    def _host_attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
+        owner = self.owner()
+        if self.steps is not None and owner is not None:  # a prefill into a cache in device-driven steps
+            owner.end_device_steps()
+        out = self._attend_from_host(module, query, key_new, value_new, attention_mask, scaling, **kwargs)
+        if self.last and owner is not None:
+            owner.begin_device_steps_if_possible()
+        return out
+
+    def _attend_from_host(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
         t = key_new.shape[2]
         if self.seen == 0 or (t > 1 and self.seen in self.pad):
             self._extend_padding(attention_mask, t)
@@ -441,17 +482,35 @@ class KittyLayer(CacheLayerMixin):
             for b in values:
                 self.v_window.lens[b] = r
 
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` tokens per sequence in the page pools and tables (their `capacity`), so
+        that they do not move until a sequence holds more."""
+        c = self.config
+        self.capacity = max(tokens, self.capacity or 0)
+        if c.quantize:
+            pages = self.batch * max(0, self.capacity - c.sink) // c.group_size
+            x = torch.zeros((1, self.heads, c.group_size, self.head_dim), device=self.device)
+            self.k_pages.reserve(quantize_keys(x, self.n_boost), pages)
+            self.v_pages.reserve(quantize_values(x, c.value_bits), pages)
+
     # -- decode steps from device counters (kitty_core.graphs) ------------------------------------
     def capacity_slots(self) -> int:
-        """Page slots of a sequence of `max_length` tokens: the grid a device-driven step launches."""
-        return -(-max(self.max_length - self.config.sink, 1) // self.config.group_size)
+        """Page slots of a sequence of `capacity` tokens: the grid a device-driven step launches."""
+        return -(-max(self.capacity - self.config.sink, 1) // self.config.group_size)
 
     def start_steps(self, counters) -> None:
         """Decode steps from `counters` (None: from the host's state again)."""
-        self.steps = counters
         if counters is not None and self.is_initialized:  # tables that do not move while graphs hold them
             self.k_pages.reserve_slots(self.capacity_slots())
             self.v_pages.reserve_slots(self.capacity_slots())
+        self.steps = counters
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of this layer that a decode step reads or writes (what its CUDA graphs hold)."""
+        regions = [r.buf for r in (self.k_sink, self.v_sink, self.k_buffer, self.v_window) if r is not None]
+        pools = [t for pool in (self.k_pages, self.v_pages) if pool.store for t in pool.store.values()]
+        tables = [self.k_pages.device_ids, self.v_pages.device_ids, self.k_pages.device_n, self.v_pages.device_n]
+        return regions + pools + tables + [self.q_energy, self.q_count]
 
     def advance_host(self) -> bool:
         """The host's record of a token a device-driven step wrote into the key q-buffer and the value
@@ -502,6 +561,12 @@ class KittyLayer(CacheLayerMixin):
         real = (torch.arange(t, device=query.device)[None] >= skip[:, None]).float()  # [B, t]
         self.q_energy += torch.einsum("bhrtd,bt->bhd", q2, real)
         self.q_count += (real.sum(1) * (hq // self.heads)).reshape(b, 1, 1)
+
+    def track_step_queries(self, query: torch.Tensor) -> None:
+        """`_track_queries` for a step from device counters: every sequence's one query is real."""
+        b, hq, t, d = query.shape
+        self.q_energy += query.float().pow(2).reshape(b, self.heads, hq // self.heads, t, d).sum((2, 3))
+        self.q_count += t * (hq // self.heads)
 
     def _query_rms(self, b: int) -> torch.Tensor | None:
         if self.config.selection != "qk":
@@ -779,20 +844,38 @@ def leading_pads(mask: torch.Tensor | None, batch: int, length: int) -> list[int
 class KittyCache(Cache):
     """A transformers `Cache` of Kitty layers. `KittyCache(model, "kitty-pro")`, then
     `model.generate(..., past_key_values=cache)`. Building one switches the model's attention to the
-    `kitty` implementation (SDPA for everything that is not a KittyCache)."""
+    `kitty` implementation (SDPA for everything that is not a KittyCache).
+
+    On the Triton engine, decode steps run from device counters as soon as the prompt is stored
+    (`begin_device_steps_if_possible`): they read nothing from the host's record, so the cache is
+    compileable and `generate` decodes through transformers' compiled forward, replayed from CUDA
+    graphs (`ops`). A prefill (a later turn of a conversation) goes back to host steps for itself."""
 
     def __init__(self, model, method: str | KittyConfig = "kitty", engine: str | None = None,
-                 max_length: int | None = None):
+                 max_length: int | None = None, device_steps: bool = True):
         """`max_length` (tokens per sequence, prompt included): reserve the page pools up front, so
-        that memory use is known from the first step and pools never grow by doubling."""
+        that memory use is known from the first step and pools never grow by doubling. Without it,
+        device-driven steps reserve room for twice the tokens held when they begin, and begin anew
+        (the compiled step records its CUDA graphs again) when that is used up. `device_steps=False`
+        keeps every step on the host's record (eager only, as the reference engine runs)."""
         self.config = parse_method(method)
+        self.device_steps = device_steps
         if engine is None:
             engine = "triton" if _on_cuda(model) and "triton" in available_engines() else "reference"
         self.engine = make_engine(engine)
         enable_kitty_attention(model)
         n = num_attention_layers(model.config)
         self.q_heads = model_shape(model.config)["q_heads"]
-        super().__init__(layers=[KittyLayer(self.config, self.engine, i, max_length) for i in range(n)])
+        self.counters = None
+        self._layout = None  # the state's addresses the counters' CUDA graphs were recorded against
+        layers = [KittyLayer(self.config, self.engine, i, max_length, owner=self) for i in range(n)]
+        layers[-1].last = True
+        super().__init__(layers=layers)
+
+    @property
+    def is_compileable(self) -> bool:
+        """Can `generate` compile the decode step? On an engine that steps from device counters."""
+        return self.device_steps and self.config.quantize and getattr(self.engine, "device_steps", False)
 
     def memory_report(self) -> pd.DataFrame:
         """Stored bytes by part, summed over layers, with bytes per real token."""
@@ -820,25 +903,63 @@ class KittyCache(Cache):
         return min(c.group_size - first.k_buffer.lens[0], c.local_window + c.group_size - first.v_window.lens[0])
 
     # -- decode steps from device counters (the protocol of kitty_core.graphs) --------------------
-    def begin_device_steps(self) -> None:
+    def device_steps_refusal(self, reserve: bool = False) -> str | None:
+        """Why the next decode steps cannot run from device counters (None if they can). `reserve`:
+        the pools may be reserved further when the steps begin."""
         first = self.layers[0]
-        why = None
         if not first.is_initialized:
-            why = "it is empty: prefill it first"
-        elif not self.config.quantize or not getattr(self.engine, "device_steps", False):
-            why = f"the {self.engine.name!r} engine attends from host state; the Triton engine (CUDA) can"
-        elif not self.engine.takes(first, self.q_heads, first.device.type == "cuda"):
-            why = (f"the Triton kernels do not take this shape (page size {self.config.group_size}, head size "
-                   f"{first.head_dim}: powers of two >= 64 on a GPU), so its steps attend from host state")
-        elif first.max_length is None:
-            why = "it was built without max_length, so its page pools may grow (and move)"
-        elif min(first.k_sink.lens) < self.config.sink:
-            why = f"an FP16 sink is not full yet: every prompt needs at least {self.config.sink} tokens"
+            return "it is empty: prefill it first"
+        if not self.config.quantize or not getattr(self.engine, "device_steps", False):
+            return f"the {self.engine.name!r} engine attends from host state; the Triton engine (CUDA) can"
+        if not self.engine.takes(first, self.q_heads, first.device.type == "cuda"):
+            return (f"the Triton kernels do not take this shape (page size {self.config.group_size}, head size "
+                    f"{first.head_dim}: powers of two >= 64 on a GPU), so its steps attend from host state")
+        if first.max_length is None and not reserve:
+            return "it was built without max_length, so its page pools may grow (and move)"
+        if min(first.k_sink.lens) < self.config.sink:
+            return f"an FP16 sink is not full yet: every prompt needs at least {self.config.sink} tokens"
+        if not reserve and self.device_room() <= 0:
+            return "it holds the max_length it was built for"
+        return None
+
+    def begin_device_steps(self, by_operator: bool = False) -> None:
+        """Decode steps from device counters from now on (ValueError saying why not). `by_operator`:
+        each step ends with `kitty::end_step` (the model's forward does the host's part, `ops`), and
+        the pools are reserved further if the held tokens fill them; otherwise the caller advances
+        the counters and calls `after_device_step` (`GraphedDecoder`)."""
+        why = self.device_steps_refusal(reserve=by_operator)
         if why:
             raise ValueError(f"this KittyCache cannot decode from device counters: {why}")
-        self.counters = StepCounters(first.batch, 2, first.device)
+        from . import ops
+
+        first = self.layers[0]
+        held = max(self.held_tokens())
+        if first.capacity is None or held >= first.capacity:
+            for layer in self.layers:  # twice what is held: as many re-recordings as doublings
+                layer.reserve(max(2 * held, held + 2 * self.config.group_size))
+        layout = []
+        for layer in self.layers:
+            layer.start_steps(None)
+            layer.k_pages.reserve_slots(layer.capacity_slots())
+            layer.v_pages.reserve_slots(layer.capacity_slots())
+            tensors = layer.state_tensors() + self.engine.prepare_steps(layer, self.q_heads)
+            layout += [t.data_ptr() for t in tensors]
+        if self.counters is None or layout != self._layout or by_operator != self.counters.by_operator:
+            if self.counters is not None:
+                ops.unregister(self)
+            # new counters, at a new address: a compiled step records its CUDA graphs again for them
+            self.counters = StepCounters(first.batch, 2, first.device, by_operator)
+            self._layout = layout
+        ops.register(self)
         for layer in self.layers:
             layer.start_steps(self.counters)
+        self.sync_device_steps()
+
+    def begin_device_steps_if_possible(self) -> None:
+        """After a forward from the host's record: steps from device counters from the next one, on an
+        engine that can take them."""
+        if self.device_steps and self.layers[0].steps is None and self.device_steps_refusal(reserve=True) is None:
+            self.begin_device_steps(by_operator=True)
 
     def sync_device_steps(self) -> None:
         first = self.layers[0]
@@ -847,6 +968,15 @@ class KittyCache(Cache):
     def end_device_steps(self) -> None:
         for layer in self.layers:
             layer.start_steps(None)
+
+    def end_step(self) -> None:
+        """The host's part of a decode step the model's forward ran from device counters
+        (`kitty::end_step`): counters advanced, the host's record, packing; back to host steps when
+        the reserved room is used up (the next forward reserves more)."""
+        self.counters.advance()
+        self.after_device_step()
+        if self.device_room() <= 0:
+            self.end_device_steps()
 
     def step_shape(self) -> None:
         """Every device-driven step launches the same kernels (grids span the capacity): one graph."""
@@ -857,8 +987,8 @@ class KittyCache(Cache):
         return [first.tokens(b) for b in range(first.batch)]
 
     def device_room(self) -> int:
-        """Decode steps left before the longest sequence holds the `max_length` it was built for."""
-        return self.layers[0].max_length - max(self.held_tokens())
+        """Decode steps left before the longest sequence fills the room reserved for it."""
+        return (self.layers[0].capacity or 0) - max(self.held_tokens())
 
     def after_device_step(self) -> None:
         packed = [layer.advance_host() for layer in self.layers]

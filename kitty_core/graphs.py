@@ -35,10 +35,13 @@ class StepCounters:
     lens   int32 [B]: tokens each sequence holds, the new one included
     """
 
-    def __init__(self, batch: int, regions: int, device):
+    def __init__(self, batch: int, regions: int, device, by_operator: bool = False):
+        """`by_operator`: the model's forward ends each step itself (`kitty_core.ops`); else the
+        caller advances the counters and does the cache's host bookkeeping (`GraphedDecoder`)."""
         self.write = torch.zeros((regions, batch), dtype=torch.long, device=device)
         self.lens = torch.zeros(batch, dtype=torch.int32, device=device)
         self.rows = torch.arange(batch, device=device)
+        self.by_operator = by_operator
 
     def set(self, write: list[list[int]], lens: list[int]) -> None:
         """From the host's values: copies of a few integers that do not wait for the GPU (a pageable
