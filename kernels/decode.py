@@ -69,6 +69,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .plan import Launch
+
 # ---------------------------------------------------------------------------------------------------
 # planes
 
@@ -1100,6 +1102,46 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
         _launch(pages)
     _launch(combine)
     return (out, lse) if return_lse else out
+
+
+class DecodeStep:
+    """`decode_attention` of steps from device counters (`new` given), planned once: such steps
+    launch the same kernels with the same arguments but for the query, the step's token and the
+    output, so the launches are built on the first call and replayed with those (`plan.Launch`),
+    rebuilt only when the query's shape, strides or dtype change. The layer's state must not move
+    meanwhile (its pools and tables are reserved while steps run from device counters)."""
+
+    def __init__(self, layer, workspace: dict, key_dots: str | None = None):
+        self.layer, self.workspace, self.key_dots = layer, workspace, key_dots
+        self.key, self.launches = None, None
+
+    def __call__(self, query: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
+        """query [B, Hq, 1, D], key_new and value_new [B, H, 1, D] -> [B, Hq, 1, D]."""
+        q, kn, vn = query[:, :, 0], key_new[:, :, 0], value_new[:, :, 0]
+        key = (query.shape, query.dtype, q.stride(), kn.stride(), vn.stride(), scaling)
+        if key != self.key or kn.stride(-1) != 1 or vn.stride(-1) != 1:
+            (tail, pages, combine), out = decode_launches(self.layer, query, scaling, self.workspace,
+                                                          new=(key_new, value_new, self.layer.steps.write),
+                                                          key_dots=self.key_dots)
+            n = len(pages[2])  # the tail's arguments are the pages' and the token's
+            self.launches = (Launch(*tail, slots=(0, n, n + 3)), Launch(*pages, slots=(0,)),
+                             Launch(*combine, slots=(3,)))
+            self.key, kn, vn = key, tail[2][n], tail[2][n + 3]
+        else:
+            out = torch.empty(query.shape, device=query.device, dtype=query.dtype)  # as decode_launches makes it
+        tail, pages, combine = self.launches
+        if query.is_cuda:  # as decode_attention: the tail beside the pages, on a second stream
+            main, side = torch.cuda.current_stream(query.device), _side_stream(query.device)
+            side.wait_stream(main)
+            pages.run(q)
+            tail.run(q, kn, vn, stream=side)
+            main.wait_stream(side)
+        else:
+            tail.run(q, kn, vn)
+            pages.run(q)
+        combine.run(out)
+        return out
 
 
 def _launch(launch) -> None:

@@ -20,7 +20,7 @@ import torch
 from kitty_core.cache import ReferenceEngine
 
 from . import pack
-from .decode import decode_attention, key_dots_of, prefill_attention, prefill_launches, step_workspace
+from .decode import DecodeStep, decode_attention, key_dots_of, prefill_attention, prefill_launches, step_workspace
 
 # A later prefill chunk attends on the pages when its history takes at most this many decode-kernel
 # launches (16 query rows each: 32 tokens of a GQA group of 4), else over the dense FP16 history if
@@ -41,6 +41,7 @@ class TritonEngine(ReferenceEngine):
             key_dots_of(key_dots, 0)  # a clear error now, not at the first decode step
         self.key_dots = key_dots
         self.workspaces: dict[int, dict] = {}
+        self.steps: dict[int, DecodeStep] = {}  # per layer: the launches of steps from device counters
 
     @staticmethod
     def supports(layer, query) -> bool:
@@ -103,8 +104,11 @@ class TritonEngine(ReferenceEngine):
         return out.transpose(1, 2), None  # transformers expects [B, t, Hq, D]
 
     def prepare_steps(self, layer, q_heads: int) -> list[torch.Tensor]:
-        """Before decode steps from device counters: their workspace, allocated now (returned)."""
-        return step_workspace(layer, q_heads, self.workspaces.setdefault(layer.layer_idx, {}))
+        """Before decode steps from device counters: their workspace, allocated now (returned), and a
+        fresh launch plan (the state it was built on may have moved)."""
+        ws = self.workspaces.setdefault(layer.layer_idx, {})
+        self.steps[layer.layer_idx] = DecodeStep(layer, ws, self.key_dots)
+        return step_workspace(layer, q_heads, ws)
 
     def device_step(self, layer, query, key_new, value_new, scaling: float) -> torch.Tensor:
         """A decode step from device counters (`kitty::decode_step`): query [B, Hq, 1, D] ->
@@ -112,10 +116,7 @@ class TritonEngine(ReferenceEngine):
         host's record and any packing follow after the step (`KittyCache.end_step`)."""
         if layer.config.selection == "qk":
             layer.track_step_queries(query)
-        ws = self.workspaces.setdefault(layer.layer_idx, {})
-        out = decode_attention(layer, query, scaling, ws, new=(key_new, value_new, layer.steps.write),
-                               key_dots=self.key_dots)
-        return out.transpose(1, 2)
+        return self.steps[layer.layer_idx](query, key_new, value_new, scaling).transpose(1, 2)
 
     def _chunk_on_pages(self, layer, query, key_new, value_new, scaling):
         out = prefill_attention(layer, query, key_new, value_new, scaling, self.key_dots)
