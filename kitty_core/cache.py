@@ -971,12 +971,13 @@ class KittyCache(Cache):
 
     def end_step(self) -> None:
         """The host's part of a decode step the model's forward ran from device counters
-        (`kitty::end_step`): counters advanced, the host's record, packing; back to host steps when
-        the reserved room is used up (the next forward reserves more)."""
+        (`kitty::end_step`): counters advanced, the host's record, packing. When the reserved room is
+        used up, more is reserved and the steps begin anew (new counters: the next compiled step
+        records its CUDA graphs again, without recompiling)."""
         self.counters.advance()
         self.after_device_step()
         if self.device_room() <= 0:
-            self.end_device_steps()
+            self.begin_device_steps(by_operator=True)
 
     def step_shape(self) -> None:
         """Every device-driven step launches the same kernels (grids span the capacity): one graph."""

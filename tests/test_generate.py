@@ -132,14 +132,15 @@ def _compiled(backend="aot_eager"):
 
 @pytest.mark.skipif(not INTERPRETER, reason="tiny shapes for the interpreter; on a GPU the compiled tests below")
 def test_compiled_generate_traces_one_graph_and_matches_host_steps():
-    """40-token prompts, 20 steps of G=16 pages: keys and values packed between compiled steps, by the
+    """40-token prompts, 14 steps of G=16 pages: keys and values packed between compiled steps, by the
     host (`kitty::end_step`). One graph, no break, the tokens of host steps; a second cache of another
-    method, then a second turn, reuse that graph."""
+    method, then a second turn (past the room first reserved, so its steps begin anew), reuse that
+    graph."""
     torch._dynamo.reset()
     model = tiny_model("llama", layers=1)
     ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    step = dict(do_sample=False, max_new_tokens=20, min_new_tokens=20)
+    step = dict(do_sample=False, max_new_tokens=14, min_new_tokens=14)
     for method in (SMALL_KITTY, SMALL_KITTY.replace("kitty-pro", "kivi-k2v2")):
         host = _generate(model, enc, KittyCache(model, method, engine="triton", device_steps=False), **step)
         cache = KittyCache(model, method, engine="triton")
@@ -153,6 +154,25 @@ def test_compiled_generate_traces_one_graph_and_matches_host_steps():
     want = _generate(model, enc2, host2, **step)
     assert torch.equal(_generate(model, enc2, cache, compile_config=_compiled(), **step), want)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="tiny shapes for the interpreter")
+def test_compiled_generate_of_a_prompt_shorter_than_the_sink():
+    """A left-padded row of 2 real tokens (sink 4): its first steps go to the host (compiled code calls
+    that part as it is), device-driven steps begin once the sink is full; the tokens of host steps."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", layers=1)
+    ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :22] = 0
+    enc = {"input_ids": ids, "attention_mask": mask}
+    step = dict(do_sample=False, max_new_tokens=8, min_new_tokens=8)
+    want = _generate(model, enc, KittyCache(model, SMALL_KITTY, engine="triton", device_steps=False), **step)
+    cache = KittyCache(model, SMALL_KITTY, engine="triton")
+    config = CompileConfig(backend="aot_eager", mode=None)
+    config._compile_all_devices = True
+    assert torch.equal(_generate(model, enc, cache, compile_config=config, **step), want)
+    assert cache.layers[0].steps is not None
 
 
 # -- on a GPU: inductor and CUDA graphs ---------------------------------------------------------------
