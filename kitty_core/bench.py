@@ -4,12 +4,14 @@ baseline of the same shape.
     python -m kitty_core.bench kernels --shapes 64x8192,8x32768,1x131072 --boost 0,0.125,0.25
     python -m kitty_core.bench e2e --model random:qwen3-8b --prompt 512 --generate 8192 --out e2e.json
     python -m kitty_core.bench profile --caches fp16-prealloc,kitty-pro --batch 64 --length 4096
+    python -m kitty_core.bench generate --model random:qwen3-8b --batch 64,8 --calls --second
     python -m kitty_core.bench app      # the lab in chromium: first and later render of every page
 
 `kernels`: decode attention alone (fused, unfused, SDPA on FP16), with the bandwidth it implies next
 to a device-to-device copy. `e2e`: a whole model generating (`kitty_core.throughput`): per cache the
 largest batch that fits, peak memory, prefill time and decode throughput at that batch and at an
-equal batch. `app`: seconds until each page of a freshly started lab has rendered in chromium, on
+equal batch. `generate`: transformers' `generate` with each cache, compiled and eager, against the
+graphed greedy loop (`kitty_core.generate_speed`). `app`: seconds until each page of a freshly started lab has rendered in chromium, on
 the first visit and on later ones. `profile`: the CUDA kernels one decode step runs, by GPU time.
 """
 

@@ -147,7 +147,7 @@ def test_compiled_generate_traces_one_graph_and_matches_host_steps():
         got = _generate(model, enc, cache, compile_config=_compiled(), **step)
         assert torch.equal(got, host), method
         assert cache.layers[0].steps is not None and len(cache.layers[0].k_pages.table[0]) == 3
-    ids2 = torch.cat([got, ids[:, :5]], 1)
+    ids2 = torch.cat([got, ids[:, :20]], 1)  # 74 tokens, 88 after the turn: past the 80 reserved
     enc2 = {"input_ids": ids2, "attention_mask": torch.ones_like(ids2)}
     host2 = KittyCache(model, method, engine="triton", device_steps=False)
     _generate(model, enc, host2, **step)
