@@ -5,8 +5,11 @@ reference engine does. A later chunk of a prompt prefilled in pieces attends eit
 engine does, over a dense FP16 copy of the whole history rebuilt from the pages, or to the history
 on the packed pages through the decode kernels and to itself in FP16 (`decode.prefill_attention`),
 which needs no copy: short chunks take the pages (`SHORT_CHUNK_LAUNCHES`), and a longer one does
-when the copy does not fit. A decode step stores the new token in FP16, runs the fused kernel over
-the layer's state, then packs any buffer that became full (at most once every G steps). Pages are
+when the copy does not fit. A decode step from the host's record stores the new token in FP16, runs
+the fused kernel over the layer's state, then packs any buffer that became full (at most once every
+G steps). A decode step from device counters (`device_step`, through `kitty::decode_step`) lets the
+kernels store the token as they attend, from launches planned once (`decode.DecodeStep`), and
+leaves the packing to the host after the step (`KittyCache.end_step`). Pages are
 packed by `kernels.pack` on CUDA (the torch quantizers where a kernel does not apply: the random
 rule, other page or head sizes).
 """

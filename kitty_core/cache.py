@@ -30,6 +30,7 @@ import pandas as pd
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import ops
 from .config import KittyConfig, parse_method
 from .graphs import StepCounters
 from .hf import PendingKV, enable_kitty_attention, model_shape, num_attention_layers, sdpa_attention_forward
@@ -378,6 +379,7 @@ class KittyLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.is_initialized = False
         self.seen = 0
+        self.steps = None
 
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError("KittyCache does not support beam search; use greedy decoding or sampling")
@@ -398,8 +400,6 @@ class KittyLayer(CacheLayerMixin):
         return self._host_attend(module, query, key_new, value_new, attention_mask, scaling, **kwargs)
 
     def _device_attend(self, query, key_new, value_new, scaling):
-        from . import ops  # noqa: F401  (registers the operators)
-
         lens = self.steps.lens
         scaling = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
         out = torch.ops.kitty.decode_step(query, key_new, value_new, lens, self.layer_idx, scaling)
@@ -499,8 +499,9 @@ class KittyLayer(CacheLayerMixin):
         return -(-max(self.capacity - self.config.sink, 1) // self.config.group_size)
 
     def start_steps(self, counters) -> None:
-        """Decode steps from `counters` (None: from the host's state again)."""
-        if counters is not None and self.is_initialized:  # tables that do not move while graphs hold them
+        """Decode steps from `counters` (None: from the host's state again). The page tables are made
+        as wide as the capacity first: they must not move while graphs hold them."""
+        if counters is not None and self.is_initialized:
             self.k_pages.reserve_slots(self.capacity_slots())
             self.v_pages.reserve_slots(self.capacity_slots())
         self.steps = counters
@@ -930,16 +931,13 @@ class KittyCache(Cache):
         why = self.device_steps_refusal(reserve=by_operator)
         if why:
             raise ValueError(f"this KittyCache cannot decode from device counters: {why}")
-        from . import ops
-
         first = self.layers[0]
         held = max(self.held_tokens())
         if first.capacity is None or held >= first.capacity:
             for layer in self.layers:  # twice what is held: as many re-recordings as doublings
                 layer.reserve(max(2 * held, held + 2 * self.config.group_size))
         layout = []
-        for layer in self.layers:
-            layer.start_steps(None)
+        for layer in self.layers:  # what the steps' graphs will hold, where it is
             layer.k_pages.reserve_slots(layer.capacity_slots())
             layer.v_pages.reserve_slots(layer.capacity_slots())
             tensors = layer.state_tensors() + self.engine.prepare_steps(layer, self.q_heads)

@@ -16,10 +16,11 @@ PROMPT = 40
 SMALL_KITTY = "kitty-pro+sink=4+group_size=16+local_window=16"  # interpreter-sized pages
 
 
-def _pair(make, model, ids, steps, graph=False):
-    """(logits of `steps` device-driven steps, logits of eager steps fed the same tokens, both caches)."""
+def _pair(make, model, ids, steps, graph=False, make_ref=None):
+    """(logits of `steps` device-driven steps, logits of eager steps fed the same tokens, both caches).
+    `make_ref`: the eager steps' cache, if not `make`'s (a KittyCache's steps from the host's record)."""
     with torch.inference_mode():
-        ours, ref = make(), make()
+        ours, ref = make(), (make_ref or make)()
         model(input_ids=ids, past_key_values=ours, use_cache=True)
         model(input_ids=ids, past_key_values=ref, use_cache=True)
         decoder = GraphedDecoder(model, ours, ids.shape[0], graph=graph)
@@ -60,8 +61,9 @@ def test_kitty_steps_from_device_counters_match_eager_steps_across_page_packs():
     model = tiny_model("llama", layers=1)
     ids = torch.randint(3, 256, (2, PROMPT))
     steps = 14
-    got, want, ours, decoder, ref = _pair(lambda: KittyCache(model, SMALL_KITTY, engine="triton", max_length=PROMPT + steps + 1),
-                                 model, ids, steps)
+    make = lambda host=False: KittyCache(model, SMALL_KITTY, engine="triton", max_length=PROMPT + steps + 1,  # noqa: E731
+                                         device_steps=not host)
+    got, want, ours, decoder, ref = _pair(make, model, ids, steps, make_ref=lambda: make(host=True))
     for g, w in zip(got, want):  # the kernels write the token and take it into their tiles: same numbers
         assert torch.equal(g, w)
     a, b = ours.layers[0], ref.layers[0]
@@ -155,9 +157,10 @@ def test_kitty_steps_of_a_left_padded_batch_match_eager_steps():
     mask = torch.ones_like(ids)
     mask[1, :7] = 0
     steps = 14
-    make = lambda: KittyCache(model, SMALL_KITTY, engine="triton", max_length=PROMPT + steps + 1)  # noqa: E731
+    make = lambda host=False: KittyCache(model, SMALL_KITTY, engine="triton", max_length=PROMPT + steps + 1,  # noqa: E731
+                                         device_steps=not host)
     with torch.inference_mode():
-        ours, ref = make(), make()
+        ours, ref = make(), make(host=True)
         model(input_ids=ids, attention_mask=mask, past_key_values=ours)
         model(input_ids=ids, attention_mask=mask, past_key_values=ref)
         decoder = GraphedDecoder(model, ours, 2, graph=False)
