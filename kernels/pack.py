@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kitty_core.quant import KeyPages, ValuePages
+from kitty_core.quant import KeyPages, ValuePages, boost_index_dtype
 
 RULES = {"magnitude": 0, "range": 1, "qk": 2}  # channel scores the key kernel computes itself
 
@@ -103,7 +103,7 @@ def _pack_keys_kernel(X, sXn, sXh, sXt, sXd, QR, sQRn, sQRh,
             tl.store(KH + n * sKHn + h * sKHh + row[:, None] * sKHr + j0 + j[None, :], _bytes(codes, 2),
                      mask=boosted[:, None])
     if NB > 0:
-        tl.store(KC + n * sKCn + h * sKCh + row, d.to(tl.uint8), mask=boosted)
+        tl.store(KC + n * sKCn + h * sKCh + row, d.to(KC.dtype.element_ty), mask=boosted)
     tl.store(KSC + n * sKSn + h * sKSh + d, scale)
     tl.store(KZ + n * sKSn + h * sKSh + d, zero)
 
@@ -153,7 +153,7 @@ def quantize_keys(keys: torch.Tensor, n_boost: int, rule: str = "magnitude",
     dev = keys.device
     dense = torch.empty((n, h, d, g // 4), dtype=torch.uint8, device=dev)
     high = torch.empty((n, h, n_boost, g // 4), dtype=torch.uint8, device=dev)
-    chans = torch.empty((n, h, n_boost), dtype=torch.uint8, device=dev)
+    chans = torch.empty((n, h, n_boost), dtype=boost_index_dtype(d), device=dev)
     scale = torch.empty((n, h, d), dtype=torch.float16, device=dev)
     zero = torch.empty_like(scale)
     scored = rule == "qk" and 0 < n_boost < d

@@ -6,6 +6,7 @@ Key page (per-channel asymmetric quantization over the page's G tokens):
     dense     uint8 [N, H, D, G/4]   low 2 bits of every channel's code (the whole code of INT2 channels)
     high      uint8 [N, H, Db, G/4]  high 2 bits of the Db boosted channels, rows in ascending channel order
     boost_ch  uint8 [N, H, Db]       the page's boost index: the channel of each row of `high`, ascending
+                                     (int16 for head sizes over 256: `boost_index_dtype`)
     scale     fp16  [N, H, D]        x ~= code * scale + zero, code in [0, 3] or [0, 15] if boosted
     zero      fp16  [N, H, D]
 Value page (per-token asymmetric quantization over the D channels):
@@ -112,6 +113,12 @@ def channel_scores(keys: torch.Tensor, rule: str, generator: torch.Generator | N
     raise ValueError(f"unknown channel selection rule {rule!r}")
 
 
+def boost_index_dtype(head_dim: int) -> torch.dtype:
+    """The boost index's dtype: one byte a channel number while they fit (head sizes up to 256, every
+    published model's), two beyond, so that no channel number wraps."""
+    return torch.uint8 if head_dim <= 256 else torch.int16
+
+
 def quantize_keys(
     keys: torch.Tensor, n_boost: int, rule: str = "magnitude", generator: torch.Generator | None = None,
     query_rms: torch.Tensor | None = None,
@@ -133,7 +140,7 @@ def quantize_keys(
     order = torch.sort((~boosted).to(torch.uint8), dim=-1, stable=True).indices[..., :n_boost]
     high_codes = torch.gather(codes >> 2, -2, order.unsqueeze(-1).expand(n, h, n_boost, g))
     return KeyPages(
-        dense=pack_2bit(codes & 3), high=pack_2bit(high_codes), boost_ch=order.to(torch.uint8), scale=scale,
+        dense=pack_2bit(codes & 3), high=pack_2bit(high_codes), boost_ch=order.to(boost_index_dtype(d)), scale=scale,
         zero=zero,
     )
 

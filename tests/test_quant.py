@@ -88,3 +88,18 @@ def test_value_pages_error_bound(bits):
 def test_constant_channel_is_exact():
     x = torch.ones(1, 1, 8, 4) * 0.5
     assert torch.equal(dequantize_keys(quantize_keys(x, 1)), x)
+
+
+@pytest.mark.parametrize("d", [256, 320, 512])
+def test_boost_index_holds_every_channel_of_large_heads(d):
+    """The last eighth of the channels x10: they are the boosted ones, listed by their own numbers
+    (past 255 too), and every element stays within half a step of its channel's grid."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 2, 32, d)
+    x[..., -d // 8:] *= 10
+    p = quantize_keys(x, d // 4)
+    assert p.boost_ch.dtype == (torch.uint8 if d <= 256 else torch.int16)
+    assert set(range(d - d // 8, d)) <= set(p.boost_ch[0, 0].tolist())
+    err = (dequantize_keys(p) - x).abs().transpose(-1, -2)
+    assert (err <= p.scale.float().unsqueeze(-1) / 2 + 1e-3 * x.abs().amax()).all()
+    assert float(err[..., -d // 8:, :].max()) < 3  # half a 4-bit step of a x10 channel (~2.4; at 2 bits ~12)
