@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import KittyLayer, ReferenceEngine
+from .cli import count, writable, write_csv, write_text
 from .config import parse_method
 
 
@@ -455,8 +456,7 @@ def run_e2e(a) -> int:
 
     def save():  # after every row, so that an interrupted run keeps what it measured
         if a.out:
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(json.dumps(current(), indent=1, default=float))
+            write_text(a.out, json.dumps(current(), indent=1, default=float))
 
     graphs = a.decode == "graph"
     for what, row in sweep(lm.model, caches, a.prompt, a.generate, a.equal_batch, budget, a.points, a.start,
@@ -509,8 +509,7 @@ def run_generate(a) -> int:
     table = pd.concat(tables, ignore_index=True)
     print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"), flush=True)
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        table.to_csv(a.out, index=False)
+        write_csv(a.out, table)
     if a.second:
         for path in (p for p in paths if ":" not in p and p != "dynamic"):
             print(gs.second_requests(lm.model, path, batches[-1], a.prompt, a.new).to_string(index=False), flush=True)
@@ -518,19 +517,6 @@ def run_generate(a) -> int:
         for method in dict.fromkeys(p.partition(":")[0] for p in paths if p != "dynamic"):
             print(method, gs.attention_call_us(lm.model, method, batches[-1], a.prompt), flush=True)
     return 0
-
-
-def _count(minimum: int):
-    """An argparse type: an integer of at least `minimum`, or a usage error that says so."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"needs an integer of at least {minimum}, got {text!r}")
-        return value
-    return parse
 
 
 def main(argv=None) -> int:
@@ -552,14 +538,14 @@ def main(argv=None) -> int:
     e.add_argument("--dtype", default=None)
     e.add_argument("--caches",
                    default="dynamic,static,static-compiled,quantized,fp16-prealloc,kivi-k2v2,kitty,kitty-pro")
-    e.add_argument("--prompt", type=_count(1), default=512)
-    e.add_argument("--generate", type=_count(1), default=8192)
-    e.add_argument("--equal-batch", type=_count(0), default=64, help="also measure every cache at this batch (0: no)")
+    e.add_argument("--prompt", type=count(1), default=512)
+    e.add_argument("--generate", type=count(1), default=8192)
+    e.add_argument("--equal-batch", type=count(0), default=64, help="also measure every cache at this batch (0: no)")
     e.add_argument("--budget-gib", type=float, default=None, help="cache bytes allowed (default: until OOM)")
-    e.add_argument("--points", type=_count(1), default=4, help="cache lengths at which decode steps are timed")
-    e.add_argument("--steps", type=_count(1), default=10, help="consecutive decode steps timed at each length "
+    e.add_argument("--points", type=count(1), default=4, help="cache lengths at which decode steps are timed")
+    e.add_argument("--steps", type=count(1), default=10, help="consecutive decode steps timed at each length "
                    "(their mean; more steps, less noise from run to run)")
-    e.add_argument("--start", type=_count(1), default=8, help="first batch size of the doubling")
+    e.add_argument("--start", type=count(1), default=8, help="first batch size of the doubling")
     e.add_argument("--validate", default="", help="CACHE:BATCH:TOKENS,... real generations to check the estimate "
                    "(after the sweep; with --caches \"\" and --merge, added to an earlier run's file)")
     e.add_argument("--decode", choices=("graph", "eager"), default="graph",
@@ -577,8 +563,8 @@ def main(argv=None) -> int:
     f.add_argument("--device", default=None)
     f.add_argument("--dtype", default=None)
     f.add_argument("--caches", default="fp16-prealloc,kitty-pro")
-    f.add_argument("--batch", type=_count(1), default=64)
-    f.add_argument("--length", type=_count(1), default=4096, help="tokens in the cache")
+    f.add_argument("--batch", type=count(1), default=64)
+    f.add_argument("--length", type=count(1), default=4096, help="tokens in the cache")
     f.add_argument("--decode", choices=("graph", "eager"), default="graph")
     f.add_argument("--no-fuse", dest="fuse", action="store_false", help="keep transformers' RMSNorm and rotary code")
     g = sub.add_parser("generate", help="transformers' generate with each cache against the graphed loop")
@@ -588,8 +574,8 @@ def main(argv=None) -> int:
     g.add_argument("--paths", default="dynamic,kitty-pro:host,kitty-pro:eager,kitty-pro,kitty-pro:graphed",
                    help="see kitty_core.generate_speed")
     g.add_argument("--batch", default="64", help="batch sizes, comma-separated")
-    g.add_argument("--prompt", type=_count(1), default=512)
-    g.add_argument("--new", type=_count(2), default=192, help="tokens generated per sequence")
+    g.add_argument("--prompt", type=count(1), default=512)
+    g.add_argument("--new", type=count(2), default=192, help="tokens generated per sequence")
     g.add_argument("--second", action="store_true", help="also: a compiled path's calls at another prompt "
                    "length and batch")
     g.add_argument("--calls", action="store_true", help="also: host time of one eager decode-attention call")
@@ -600,6 +586,12 @@ def main(argv=None) -> int:
     w.add_argument("--log", type=Path, default=Path("/tmp/kitty-app-timing.log"), help="the server's output")
     a = p.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
+    if getattr(a, "out", None):
+        try:
+            writable(a.out)  # before any model loads or kernel runs
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     if a.what == "e2e":
         if a.expandable_segments:  # read when CUDA's allocator starts, which nothing here has done yet
             conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
@@ -634,13 +626,12 @@ def main(argv=None) -> int:
     df = bench_kernels(shapes, [float(x) for x in a.boost.split(",")],
                        key_dots=a.key_dots.split(",") if a.key_dots else (None,))
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
         if a.out.suffix == ".json":
             meta["launch"] = launch_defaults()
-            a.out.write_text(json.dumps({"settings": meta, "results": df.to_dict(orient="records")}, indent=2))
+            write_text(a.out, json.dumps({"settings": meta, "results": df.to_dict(orient="records")}, indent=2))
         else:
-            df.assign(**meta).to_csv(a.out, index=False)
+            write_csv(a.out, df.assign(**meta))
     return 0
 
 

@@ -109,7 +109,12 @@ def parse_method(spec: str | KittyConfig) -> KittyConfig:
                 f"bad override {item!r} in {spec!r}: write field=value with a field among {', '.join(_FIELD_TYPES)}"
             )
         changes[key] = _coerce(key, raw.strip())
-    return PRESETS[name].replace(**changes) if changes else PRESETS[name]
+    config = PRESETS[name].replace(**changes) if changes else PRESETS[name]
+    ignored = sorted(set(changes) - {"quantize"}) if not config.quantize else []
+    if ignored:  # an FP16 cache has no pages: a page setting would be accepted and do nothing
+        raise ValueError(f"{', '.join(ignored)} in {spec!r} would be ignored: {name} keeps every token in FP16 "
+                         "(no pages, nothing quantized); drop the override or pick a quantized preset")
+    return config
 
 
 def _coerce(key: str, raw: str):

@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 
 from .cache import KittyCache, available_engines, make_engine
+from .cli import count, writable, write_text
 from .config import parse_method
 from .models import ModelLoadError, load_model
 
@@ -145,9 +146,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kitty_core.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="demo", help="demo | hub id | local directory | file.gguf")
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="a plain-text file to score")
-    p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--continuation", type=int, default=128)
-    p.add_argument("--windows", type=int, default=3)
+    p.add_argument("--context", type=count(1), default=2048)
+    p.add_argument("--continuation", type=count(1), default=128)
+    p.add_argument("--windows", type=count(1), default=3)
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated, e.g. fp16,kitty,kitty-pro+selection=random")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
@@ -159,6 +160,8 @@ def main(argv=None) -> int:
             parse_method(m.strip())
         if a.engine:
             make_engine(a.engine)  # a wrong engine name fails here, before the model loads
+        if a.json:
+            writable(a.json)
         text = a.text.read_text()
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
         df = evaluate(lm.model, lm.tokenizer, a.methods, text, a.context, a.continuation, a.windows, a.engine,
@@ -169,12 +172,11 @@ def main(argv=None) -> int:
     cols = ["method", "perplexity", "kl", "top1", "bits_per_element"]
     print(df[cols].to_string(index=False, float_format=lambda x: f"{x:.4f}"))
     if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
         settings = {"model": a.model, "text": _display_path(a.text), "context": a.context, "continuation": a.continuation,
                     "windows": a.windows, "device": str(lm.device), "dtype": str(lm.dtype),
                     "engine": a.engine or ("triton" if lm.device.type == "cuda" and "triton" in available_engines()
                                            else "reference")}
-        a.json.write_text(json.dumps({"settings": settings, "results": df.to_dict(orient="records")}, indent=2))
+        write_text(a.json, json.dumps({"settings": settings, "results": df.to_dict(orient="records")}, indent=2))
     return 0
 
 

@@ -18,6 +18,7 @@ import pandas as pd
 import torch
 
 from .cache import KittyCache
+from .cli import count, writable, write_csv
 from .config import parse_method
 from .models import ModelLoadError, load_model
 
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default="fp16,kivi-k2v2,kitty-pro")
     p.add_argument("--lengths", default="1024,2048,4096")
     p.add_argument("--depths", default="0.1,0.5,0.9")
-    p.add_argument("--trials", type=int, default=1)
+    p.add_argument("--trials", type=count(1), default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
@@ -97,6 +98,10 @@ def main(argv=None) -> int:
     try:
         lengths = [int(x) for x in a.lengths.split(",")]
         depths = [float(x) for x in a.depths.split(",")]
+        if not [m for m in a.methods.split(",") if m.strip()]:
+            raise ValueError("--methods is empty: name at least one method, e.g. fp16,kitty-pro")
+        if a.csv:
+            writable(a.csv)
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
         df = run_passkey(lm.model, lm.tokenizer, a.methods, lengths, depths, a.trials, a.seed,
                          progress=lambda i, n, s: print(f"[{i + 1}/{n}] {s}", file=sys.stderr, flush=True))
@@ -105,8 +110,7 @@ def main(argv=None) -> int:
         return 2
     print(summary(df).to_string(float_format=lambda x: f"{x:.2f}"))
     if a.csv:
-        a.csv.parent.mkdir(parents=True, exist_ok=True)
-        df.to_csv(a.csv, index=False)
+        write_csv(a.csv, df)
     return 0
 
 

@@ -29,6 +29,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .cli import count, writable, write_csv
 from .config import KittyConfig
 from .quant import _minmax_params, channel_scores
 
@@ -263,7 +264,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kitty_core.probe", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="demo")
     p.add_argument("--text", type=Path, default=Path(__file__).resolve().parent.parent / "data" / "genesis_kjv.txt")
-    p.add_argument("--tokens", type=int, default=1024, help="prompt length: the first N tokens of the text")
+    p.add_argument("--tokens", type=count(1), default=1024, help="prompt length: the first N tokens of the text")
     p.add_argument("--layers", default="all", help="'all' or comma-separated layer indices")
     p.add_argument("--rules", default="magnitude,random,range,qk")
     p.add_argument("--device", default=None)
@@ -271,7 +272,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("data/results/probe"))
     a = p.parse_args(argv)
     try:
+        writable(a.out, folder=True)
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
+        n_layers = lm.model.config.get_text_config().num_hidden_layers
+        layers = range(n_layers) if a.layers == "all" else [int(x) for x in a.layers.split(",")]
+        if any(not 0 <= i < n_layers for i in layers):
+            raise ValueError(f"--layers must be 'all' or indices in [0, {n_layers - 1}], got {a.layers!r}")
         if lm.tokenizer is None:  # a random-weight model: random tokens measure the same speed
             ids = torch.randint(0, lm.model.config.vocab_size, (1, a.tokens), generator=torch.Generator().manual_seed(0))
         else:
@@ -282,7 +288,6 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         cap = capture(lm.model, ids)
         _sync(lm.device)
-        layers = range(cap.layers) if a.layers == "all" else [int(x) for x in a.layers.split(",")]
         t1 = time.perf_counter()
         sens = pd.concat([sensitivity(cap, i) for i in layers], ignore_index=True)
         _sync(lm.device)
@@ -292,11 +297,9 @@ def main(argv=None) -> int:
     except (ValueError, ModelLoadError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    a.out.mkdir(parents=True, exist_ok=True)
-    stats.to_csv(a.out / "channel_stats.csv", index=False)
-    outlier_ratios(stats).to_csv(a.out / "outlier_ratios.csv", index=False)
-    sens.to_csv(a.out / "sensitivity.csv", index=False)
-    agree.to_csv(a.out / "agreement.csv", index=False)
+    for name, df in (("channel_stats", stats), ("outlier_ratios", outlier_ratios(stats)), ("sensitivity", sens),
+                     ("agreement", agree)):
+        write_csv(a.out / f"{name}.csv", df)
     print(f"capture {t1 - t0:.2f} s, probe of {len(layers)} layers at {ids.shape[1]} tokens {t2 - t1:.2f} s on {lm.device}")
     ratios = outlier_ratios(stats).groupby(["tensor", "layer"])["outlier_ratio"].mean().unstack(0)
     print(ratios.to_string(float_format=lambda x: f"{x:.2f}"))

@@ -1,0 +1,75 @@
+"""Bad input to the library and the command lines: a message that says what was wrong and what to
+do, given before any expensive work, and no earlier result lost."""
+
+import json
+
+import pytest
+
+from kitty_core import bench, evaluate, passkey, probe
+from kitty_core.cli import write_atomic, write_text
+from kitty_core.config import parse_method
+
+
+def _usage_error(main, argv, capsys) -> str:
+    """argparse's own exit (status 2) for an argument that does not parse; its message."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("main, argv", [
+    (evaluate.main, ["--context", "-5"]),
+    (evaluate.main, ["--context", "0"]),
+    (evaluate.main, ["--continuation", "0"]),
+    (evaluate.main, ["--windows", "-3"]),
+    (probe.main, ["--tokens", "-5"]),
+    (probe.main, ["--tokens", "0"]),
+    (passkey.main, ["--trials", "0"]),
+    (bench.main, ["generate", "--new", "1"]),
+])
+def test_counts_are_checked_as_they_are_parsed(main, argv, capsys):
+    err = _usage_error(main, argv, capsys)
+    assert "needs an integer of at least" in err and repr(argv[-1]) in err
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for main, argv in ((evaluate.main, ["--json", str(blocker / "out.json")]),
+                       (passkey.main, ["--csv", str(blocker / "out.csv")]),
+                       (probe.main, ["--out", str(blocker / "probe")]),
+                       (bench.main, ["generate", "--out", str(blocker / "gen.csv")])):
+        assert main(argv) == 2
+        assert "cannot write to" in capsys.readouterr().err
+    assert evaluate.main(["--json", str(tmp_path)]) == 2
+    assert "is a directory; give a file name" in capsys.readouterr().err
+
+
+def test_a_failed_write_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "results.json"
+    write_text(path, json.dumps({"run": 1}))
+
+    def failing(tmp):  # a write that fails halfway, as on a full disk
+        tmp.write_text('{"run": 2, "resu')
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        write_atomic(path, failing)
+    assert json.loads(path.read_text()) == {"run": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no temporary file left behind
+
+
+def test_empty_methods_and_ignored_overrides(capsys):
+    assert passkey.main(["--methods", " ,"]) == 2
+    assert "--methods is empty" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"boost_rate in 'fp16\+boost_rate=0.5' would be ignored"):
+        parse_method("fp16+boost_rate=0.5")
+    assert parse_method("kitty+boost_rate=0.5").boost_rate == 0.5
+
+
+@pytest.mark.parametrize("layers", ["99", "-1", "0,30"])
+def test_probe_layers_outside_the_model(layers, tmp_path, capsys):
+    assert probe.main(["--layers", layers, "--out", str(tmp_path / "probe")]) == 2
+    assert "--layers must be 'all' or indices in [0, 29]" in capsys.readouterr().err
+    assert not any((tmp_path / "probe").iterdir())  # nothing written
