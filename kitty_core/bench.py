@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from .cache import KittyLayer, ReferenceEngine
 from .cli import count, writable, write_csv, write_text
 from .config import parse_method
+from .results import ResultFileError, read_e2e
 
 
 def cuda_time(fn, warmup: int = 3, iters: int = 20) -> float:
@@ -443,6 +444,11 @@ def run_e2e(a) -> int:
     settings["runs"] = [{"command": command, "caches": caches}]
     earlier = None
     if a.merge and a.out and a.out.exists():
+        try:
+            read_e2e(a.out)  # --merge adds only to a whole e2e result file
+        except ResultFileError as err:
+            print(f"error: {err}; --merge adds to a file `bench e2e --out` wrote", file=sys.stderr)
+            return 2
         earlier = json.loads(a.out.read_text())
         if not same_setup(earlier["settings"], settings):
             print(f"error: {a.out} holds a run of another model or settings; --merge needs the same", file=sys.stderr)

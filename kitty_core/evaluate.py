@@ -24,6 +24,7 @@ from .cache import KittyCache, available_engines, make_engine
 from .cli import count, writable, write_text
 from .config import parse_method
 from .models import ModelLoadError, load_model
+from .results import boost_share
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 DEFAULT_TEXT = DATA / "genesis_kjv.txt"
@@ -95,7 +96,7 @@ def evaluate(
         logp = ref if configs[m] == parse_method("fp16") else continuation_logprobs(model, ids, context, m, engine)
         row = {"method": m, **compare(ref, logp, targets)}
         row["bits_per_element"] = configs[m].bits_per_element(head_dim)
-        row["boost_rate"] = _boost_rate(configs[m])
+        row["boost_rate"] = boost_share(configs[m])
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
     df = pd.DataFrame(rows)
@@ -112,21 +113,6 @@ def boost_sweep(model, tokenizer, rates=(0.0, 0.125, 0.25, 0.5), rules=("magnitu
     parsed = [parse_method(m) for m in df.method]
     df["rule"] = [c.selection if m in grid else "preset" for m, c in zip(df.method, parsed)]
     return df
-
-
-def load_results(path: str | Path) -> pd.DataFrame:
-    """The `results` records of a JSON file written by `--json`, with `rule` and `boost_rate` columns."""
-    records = json.loads(Path(path).read_text())["results"]
-    df = pd.DataFrame(records)
-    parsed = [parse_method(m) for m in df.method]
-    df["rule"] = [c.selection if c.quantize and c.key_bits == 2 and c.boost_rate > 0 else "preset" for c in parsed]
-    df["boost_rate"] = [_boost_rate(c) for c in parsed]
-    return df
-
-
-def _boost_rate(c) -> float:
-    """Share of key channels above 2 bits: FP16 and 4-bit keys count as 1."""
-    return c.boost_rate if c.quantize and c.key_bits == 2 else 1.0
 
 
 def _head_dim(model) -> int:

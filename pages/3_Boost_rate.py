@@ -6,7 +6,8 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from kitty_app import DATA, gpu_lock, sidebar
-from kitty_core.evaluate import boost_sweep, load_results
+from kitty_core.evaluate import boost_sweep
+from kitty_core.results import ResultFileError, read_accuracy
 
 frame = sidebar()
 st.title("Boost rate")
@@ -17,7 +18,11 @@ saved = sorted(p.name for p in (DATA / "results").glob("*.json") if "accuracy" i
 source = st.radio("Results", ["saved run", "run now on this model"], horizontal=True)
 if source == "saved run":
     name = st.selectbox("File", saved, index=saved.index("rules_demo_h200_fp32.json") if "rules_demo_h200_fp32.json" in saved else 0)
-    df = load_results(DATA / "results" / name)
+    try:
+        df = read_accuracy(DATA / "results" / name)
+    except ResultFileError as err:  # named, not fatal: another file can still be picked
+        st.warning(f"{err}; skipped. `python -m kitty_core.evaluate --json` writes such files.")
+        st.stop()
 else:
     cols = st.columns(4)
     context = int(cols[0].number_input("Context tokens", 64, 8192, 256, 64))

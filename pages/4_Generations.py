@@ -11,6 +11,7 @@ from kitty_app import DATA, gpu_lock, sidebar
 from kitty_core import PRESETS
 from kitty_core.generate import compare_generations
 from kitty_core.passkey import run_passkey
+from kitty_core.results import ResultFileError, read_passkey
 
 frame = sidebar()
 st.title("Generations against FP16")
@@ -109,7 +110,11 @@ if args:
         st.error(str(err))
         df, source = None, None
 elif saved.exists():
-    df, source = pd.read_csv(saved), "saved run: the demo model on a CPU, 2 trials per cell"
+    try:
+        df, source = read_passkey(saved), "saved run: the demo model on a CPU, 2 trials per cell"
+    except ResultFileError as err:
+        st.warning(f"{err}; skipped. `python -m kitty_core.passkey --csv` writes such files.")
+        df, source = None, None
 else:
     df, source = None, None
 if df is not None:

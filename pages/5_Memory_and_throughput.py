@@ -1,8 +1,6 @@
 """Memory & throughput: the largest batch each cache fits and how fast it generates (the paper's
 Figure 5), from saved GPU runs or live on the loaded model."""
 
-import json
-
 import pandas as pd
 import plotly.express as px
 import streamlit as st
@@ -10,6 +8,7 @@ import streamlit as st
 from kitty_app import DATA, gpu_lock, sidebar
 from kitty_core import PRESETS
 from kitty_core.bench import e2e_table, real_table
+from kitty_core.results import ResultFileError, read_e2e, read_kernels
 from kitty_core.throughput import BASELINES, sweep
 
 frame = sidebar()
@@ -44,12 +43,9 @@ st.subheader("Saved runs")
 runs = {}
 for path in sorted((DATA / "results").glob("e2e_*.json")):
     try:
-        found = json.loads(path.read_text())
-        if not isinstance(found["settings"]["caches"], list):
-            raise TypeError("settings.caches is not a list")
-        runs[path] = found
-    except (ValueError, KeyError, TypeError) as err:  # a file this page cannot read is named, not fatal
-        st.warning(f"{path.name} is not an e2e result file `bench e2e --out` writes ({err!r}); skipped.")
+        runs[path] = read_e2e(path)
+    except ResultFileError as err:  # a file this page cannot read is named, not fatal
+        st.warning(f"{err}: not an e2e result file as `bench e2e --out` writes them; skipped.")
 saved = list(runs)
 if saved:
     # first shown: the fullest comparison on a GPU (graph-decoded, the most caches)
@@ -59,7 +55,7 @@ if saved:
     pick = st.selectbox("Result file", saved, format_func=lambda p: p.name, index=saved.index(fullest))
     run = runs[pick]
     s = run["settings"]
-    st.caption(f"{s['model']} on {s['gpu'] or s['device']} ({s['dtype']}, torch {s['torch']}, transformers "
+    st.caption(f"{s['model']} on {s.get('gpu') or s['device']} ({s['dtype']}, torch {s['torch']}, transformers "
                f"{s['transformers']}), prompt {s['prompt']} + {s['generate']} generated tokens"
                + (f", cache budget {s['budget_gib']} GiB" if s.get("budget_gib") else ", until out of memory")
                + (f", allocator `{s['alloc_conf']}`" if s.get("alloc_conf") else "")
@@ -97,10 +93,15 @@ else:
     st.info("No saved runs in data/results (e2e_*.json).")
 
 kernels_file = DATA / "results" / "kernels_h200.json"
+kernels = None
 if kernels_file.exists():
+    try:
+        kernels = read_kernels(kernels_file)
+    except ResultFileError as err:
+        st.warning(f"{err}: not a kernel result file as `bench kernels --out x.json` writes them; skipped.")
+if kernels is not None:
     st.subheader("Decode attention on packed pages")
-    k = json.loads(kernels_file.read_text())
-    rows = pd.DataFrame(k["results"])
+    k_settings, rows = kernels
     rows["shape"] = rows["batch"].astype(str) + " x " + rows["length"].astype(str)
     cols = st.columns(2)
     boosts = sorted(rows["boost_rate"].unique())
@@ -119,7 +120,7 @@ if kernels_file.exists():
     long["attention"] = long["attention"].map({"fused_ms": "fused (packed pages)", "unfused_ms": "unfused qk/sv",
                                                "sdpa_fp16_ms": "SDPA on FP16"})
     fig = px.bar(long, x="shape", y="ms", color="attention", barmode="group",
-                 title=f"Decode attention on {k['settings']['device']}: GPU time per call (Qwen3-8B heads)")
+                 title=f"Decode attention on {k_settings['device']}: GPU time per call (Qwen3-8B heads)")
     st.plotly_chart(fig, width="stretch", key="kernels")
     shown = ["shape", "key_dots", "fused_ms", "unfused_ms", "sdpa_fp16_ms", "fused_vs_sdpa", "fused_vs_unfused",
              "fused_TBps", "sdpa_TBps", "copy_TBps", "fused_max_abs_err"]

@@ -174,3 +174,26 @@ def test_generations_page_passkey_heatmap_saved_and_live():
     at.text_input(key="pk_lengths").set_value("30000")  # beyond the context
     at.button[-1].click().run()
     assert not at.exception and any("context" in e.value for e in at.error)
+
+
+def test_pages_skip_malformed_result_files(tmp_path, monkeypatch):
+    """A result file without what its page reads is named in a warning and skipped; the page runs on."""
+    import kitty_app
+
+    res = tmp_path / "results"
+    res.mkdir()
+    no_model = json.loads((ROOT / "data/results/e2e_qwen3-8b_h200_graph.json").read_text())
+    del no_model["settings"]["model"]
+    (res / "e2e_no_model.json").write_text(json.dumps(no_model))
+    (res / "kernels_h200.json").write_text('{"settings": {"device": "H200"}, "results": [{"batch": 1')
+    (res / "accuracy_broken.json").write_text('{"results": [{"method": "kitty-pro"}]}')
+    (res / "passkey_demo_cpu.csv").write_text('method,length\n"unterminated')
+    monkeypatch.setattr(kitty_app, "DATA", tmp_path)
+    warned = lambda at: " ".join(w.value for w in at.warning)  # noqa: E731
+    memory = run("pages/5_Memory_and_throughput.py")
+    assert "e2e_no_model.json has no model in settings" in warned(memory)
+    assert "kernels_h200.json cannot be read as JSON" in warned(memory)
+    boost = run("pages/3_Boost_rate.py")
+    assert "accuracy_broken.json: its results lack the columns kl, perplexity, top1, bits_per_element" in warned(boost)
+    generations = run("pages/4_Generations.py")
+    assert "passkey_demo_cpu.csv" in warned(generations)

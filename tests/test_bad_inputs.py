@@ -73,3 +73,42 @@ def test_probe_layers_outside_the_model(layers, tmp_path, capsys):
     assert probe.main(["--layers", layers, "--out", str(tmp_path / "probe")]) == 2
     assert "--layers must be 'all' or indices in [0, 29]" in capsys.readouterr().err
     assert not any((tmp_path / "probe").iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("e2e_a.json", '{"settings": {"caches": ', "cannot be read as JSON"),
+    ("e2e_b.json", "[1, 2]", "holds a list, not a result object"),
+    ("e2e_c.json", '{"points": []}', "has no settings in the file"),
+    ("e2e_d.json", '{"settings": {"model": "m", "device": "cuda", "dtype": "bf16", "torch": "2", "transformers": "5", '
+                   '"prompt": 512, "generate": 8192, "caches": "kitty"}, "points": []}', "settings.caches is not a list"),
+    ("kernels_a.json", '{"settings": {}, "results": []}', "settings lack the device"),
+    ("kernels_b.json", '{"settings": {"device": "H200"}, "results": [{"batch": 1}]}', "lack the columns length"),
+    ("accuracy_a.json", '{"results": [{"method": "kitty-pro++", "kl": 0, "perplexity": 1, "top1": 1, '
+                        '"bits_per_element": 2}]}', "names a method this version cannot read"),
+    ("passkey_a.csv", "", "cannot be read as CSV"),
+    ("passkey_b.csv", "method,length,depth\nfp16,1024,0.5\n", "lacks the columns correct"),
+])
+def test_malformed_result_files_are_named_with_the_cause(tmp_path, name, text, says):
+    from kitty_core import results
+
+    path = tmp_path / name
+    path.write_text(text)
+    read = {"e2e": results.read_e2e, "kernels": results.read_kernels, "accuracy": results.read_accuracy,
+            "passkey": results.read_passkey}[name.split("_")[0]]
+    with pytest.raises(results.ResultFileError, match=says) as err:
+        read(path)
+    assert name in str(err.value)
+
+
+def test_the_saved_result_files_all_read():
+    from pathlib import Path
+
+    from kitty_core import results
+
+    saved = Path(__file__).resolve().parent.parent / "data" / "results"
+    for path in saved.glob("e2e_*.json"):
+        assert len(results.read_e2e(path)["points"])
+    assert len(results.read_kernels(saved / "kernels_h200.json")[1])
+    for path in [*saved.glob("accuracy_*.json"), *saved.glob("rules_*.json")]:
+        assert len(results.read_accuracy(path))
+    assert len(results.read_passkey(saved / "passkey_demo_cpu.csv"))
