@@ -105,7 +105,14 @@ def load_model(
     name = (name or "").strip()
     if not name:
         raise ModelLoadError("no model given: use 'demo', a hub id, a local directory or a .gguf file")
-    device = torch.device(device) if device not in (None, "auto") else default_device()
+    if name.startswith("~"):
+        name = os.path.expanduser(name)
+    try:
+        device = torch.device(device) if device not in (None, "auto") else default_device()
+    except (RuntimeError, TypeError):
+        raise ModelLoadError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {str(device)!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' was asked for, but no CUDA GPU is visible; use device='cpu'")
     if isinstance(dtype, str) and dtype != "auto":
@@ -119,6 +126,9 @@ def load_model(
     if name == DEMO:
         source = str(_converted_gguf(demo_gguf_path()))
     elif name.lower().endswith(".gguf"):
+        if Path(name).is_dir():
+            raise ModelLoadError(f"{name!r} is a directory, not a GGUF file: pass the .gguf file inside it, or the "
+                                 "directory itself if it holds a transformers model (config.json)")
         if not Path(name).is_file():
             raise ModelLoadError(f"GGUF file {name!r} does not exist")
         source = str(_converted_gguf(Path(name)))
@@ -127,22 +137,27 @@ def load_model(
     local = Path(source).is_dir()
     if not local and (source.startswith((".", "/", "~")) or os.sep + os.sep in source):
         raise ModelLoadError(f"{name!r} looks like a path, but no such directory exists")
+    if local and not (Path(source) / "config.json").is_file():
+        raise ModelLoadError(f"{name!r} has no config.json: not a transformers model directory (for a GGUF file, "
+                             "pass the .gguf path)")
     # a hub id: the local hub cache first, the network only if it answers (no minute of retries)
     offline = local or _in_hub_cache(source) or not _hub_reachable()
     kw = {"trust_remote_code": trust_remote_code, "local_files_only": offline}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kw)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw)
-    except (OSError, ValueError, KeyError) as err:
+    except Exception as err:  # noqa: BLE001  (pickle, safetensors, a config transformers cannot build ...: all say why)
         if local:
             where = "the local directory"
         elif offline:
             where = "the local hub cache (the hub is not reachable from here)"
         else:
             where = "the Hugging Face hub"
+        cause = (str(err).splitlines() or [""])[0] or "no message"
         raise ModelLoadError(
-            f"could not load {name!r} from {where}: {str(err).splitlines()[0]} -- check the id or path; "
-            "without network access, download the model elsewhere and pass its directory"
+            f"could not load {name!r} from {where}: {type(err).__name__}: {cause} -- check the id or path (a "
+            "directory's weights must be complete safetensors); without network access, download the model "
+            "elsewhere and pass its directory"
         ) from err
     try:
         num_attention_layers(model.config)
@@ -218,5 +233,6 @@ def _converted_gguf(path: Path) -> Path:
             shutil.rmtree(work, ignore_errors=True)
     except Exception as err:
         shutil.rmtree(work, ignore_errors=True)
-        raise ModelLoadError(f"could not convert GGUF {str(path)!r}: {err}") from err
+        raise ModelLoadError(f"could not convert GGUF {str(path)!r} ({path.stat().st_size:,} bytes; is the file "
+                             f"complete?): {type(err).__name__}: {err}") from err
     return target

@@ -112,3 +112,42 @@ def test_the_saved_result_files_all_read():
     for path in [*saved.glob("accuracy_*.json"), *saved.glob("rules_*.json")]:
         assert len(results.read_accuracy(path))
     assert len(results.read_passkey(saved / "passkey_demo_cpu.csv"))
+
+
+def test_model_loading_failures_say_what_and_why(tmp_path, demo):
+    """Every way a model fails to load is a ModelLoadError naming the file or input and the cause."""
+    from transformers import AutoConfig
+
+    from kitty_core.models import ModelLoadError, load_model
+
+    def fails(name, says, **kw):
+        with pytest.raises(ModelLoadError, match=says):
+            load_model(name, **kw)
+
+    fails("demo", r"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got 'tpu'", device="tpu")
+    fails("demo", r"device must be .* got 'xla'", device="xla")
+    (tmp_path / "x.gguf").mkdir()
+    fails(str(tmp_path / "x.gguf"), "is a directory, not a GGUF file")
+    fails("~/no-such-model-dir", "looks like a path, but no such directory exists")
+    (tmp_path / "empty").mkdir()
+    fails(str(tmp_path / "empty"), "has no config.json: not a transformers model directory")
+    # a directory with a tokenizer and a config, and weights that cannot be read
+    cfg = AutoConfig.for_model("llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2)
+    for case, weights, says in (("truncated", "model.safetensors", "SafetensorError|HeaderTooSmall|safetensors"),
+                                ("pickled", "pytorch_model.bin", "UnpicklingError|weights_only|pickle")):
+        d = tmp_path / case
+        cfg.save_pretrained(d)
+        demo.tokenizer.save_pretrained(d)
+        if case == "truncated":
+            (d / weights).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":")
+        else:
+            import pickle
+
+            (d / weights).write_bytes(pickle.dumps({"weights": print}))
+        fails(str(d), f"could not load .*{case}.* from the local directory: .*({says})")
+    d = tmp_path / "no-heads"
+    cfg.save_pretrained(d)
+    demo.tokenizer.save_pretrained(d)
+    (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "num_attention_heads": 0}))
+    fails(str(d), "could not load .* from the local directory: ZeroDivisionError")
