@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import KittyLayer, ReferenceEngine
-from .cli import count, writable, write_csv, write_text
+from .cli import count, positive, writable, write_csv, write_text
 from .config import parse_method
 from .results import ResultFileError, read_e2e
 
@@ -547,7 +547,7 @@ def main(argv=None) -> int:
     e.add_argument("--prompt", type=count(1), default=512)
     e.add_argument("--generate", type=count(1), default=8192)
     e.add_argument("--equal-batch", type=count(0), default=64, help="also measure every cache at this batch (0: no)")
-    e.add_argument("--budget-gib", type=float, default=None, help="cache bytes allowed (default: until OOM)")
+    e.add_argument("--budget-gib", type=positive, default=None, help="cache bytes allowed (default: until OOM)")
     e.add_argument("--points", type=count(1), default=4, help="cache lengths at which decode steps are timed")
     e.add_argument("--steps", type=count(1), default=10, help="consecutive decode steps timed at each length "
                    "(their mean; more steps, less noise from run to run)")

@@ -28,6 +28,17 @@ def count(minimum: int):
     return parse
 
 
+def positive(text: str) -> float:
+    """An argparse type: a number above 0, or a usage error that says so."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not value > 0:
+        raise argparse.ArgumentTypeError(f"needs a number above 0, got {text!r}")
+    return value
+
+
 def writable(path: Path, folder: bool = False) -> Path:
     """Check that `path` (a file, or with `folder` a directory of files) can be written, creating its
     folder; ValueError naming the path and the cause, before any work is done for it."""

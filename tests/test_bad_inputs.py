@@ -33,6 +33,10 @@ def test_counts_are_checked_as_they_are_parsed(main, argv, capsys):
     assert "needs an integer of at least" in err and repr(argv[-1]) in err
 
 
+def test_a_memory_budget_must_be_positive(capsys):
+    assert "needs a number above 0, got '-1'" in _usage_error(bench.main, ["e2e", "--budget-gib", "-1"], capsys)
+
+
 def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
