@@ -79,14 +79,15 @@ class TritonEngine(ReferenceEngine):
         (a prompt's later chunk), no padding (the chunk's mask is causal, nothing else), no sliding
         window, not during device-driven steps, and a layer and query the kernels take."""
         return (query.shape[2] > 1 and layer.seen > 0 and not any(layer.pad) and layer.steps is None
-                and getattr(module, "sliding_window", None) is None and TritonEngine.supports(layer, query))
+                and getattr(module, "sliding_window", None) is None and not layer.softcap
+                and TritonEngine.supports(layer, query))
 
     def attend(self, layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         on_pages = self.chunk_on_pages(layer, module, query)
         if on_pages and prefill_launches(query.shape[1] // layer.heads, query.shape[2]) <= SHORT_CHUNK_LAUNCHES:
             return self._chunk_on_pages(layer, query, key_new, value_new, scaling)
-        if key_new.shape[2] != 1 or not self.supports(layer, query):
+        if key_new.shape[2] != 1 or layer.softcap or not self.supports(layer, query):  # softcaps: the reference path
             try:
                 out = self.attend_dense(layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
             except torch.OutOfMemoryError:

@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import ops
 from .config import KittyConfig, parse_method
 from .graphs import StepCounters
-from .hf import PendingKV, enable_kitty_attention, model_shape, num_attention_layers, sdpa_attention_forward
+from .hf import PendingKV, base_attention, enable_kitty_attention, model_shape, num_attention_layers, softcapping
 from .quant import (
     KeyPages,
     ValuePages,
@@ -279,7 +279,7 @@ class ReferenceEngine:
         keys = torch.cat([past_k, key_new], dim=2)
         values = torch.cat([past_v, value_new], dim=2)
         kwargs.pop("dropout", None)
-        return sdpa_attention_forward(module, query, keys, values, attention_mask, dropout=0.0, scaling=scaling,
+        return base_attention(module)(module, query, keys, values, attention_mask, dropout=0.0, scaling=scaling,
                                       **kwargs)
 
 
@@ -323,6 +323,7 @@ class KittyLayer(CacheLayerMixin):
         self.seen = 0  # tokens seen per sequence in the padded layout (pads included)
         self.steps = None  # StepCounters while decode steps run from device counters (graphs.py)
         self.owner = weakref.ref(owner) if owner is not None else lambda: None
+        self.softcap = None  # the model's attention logit softcap (Gemma 2): the reference path applies it
         self.last = owner is None  # the model's last attention layer: it ends a device-driven step
         self.generator = torch.Generator().manual_seed(config.seed * 100_003 + layer_idx)
 
@@ -869,14 +870,18 @@ class KittyCache(Cache):
         self.q_heads = model_shape(model.config)["q_heads"]
         self.counters = None
         self._layout = None  # the state's addresses the counters' CUDA graphs were recorded against
+        self.softcap = softcapping(model.config)
         layers = [KittyLayer(self.config, self.engine, i, max_length, owner=self) for i in range(n)]
         layers[-1].last = True
+        for layer in layers:
+            layer.softcap = self.softcap
         super().__init__(layers=layers)
 
     @property
     def is_compileable(self) -> bool:
         """Can `generate` compile the decode step? On an engine that steps from device counters."""
-        return self.device_steps and self.config.quantize and getattr(self.engine, "device_steps", False)
+        return (self.device_steps and self.config.quantize and getattr(self.engine, "device_steps", False)
+                and not self.softcap)
 
     def memory_report(self) -> pd.DataFrame:
         """Stored bytes by part, summed over layers, with bytes per real token."""
@@ -912,6 +917,9 @@ class KittyCache(Cache):
             return "it is empty: prefill it first"
         if not self.config.quantize or not getattr(self.engine, "device_steps", False):
             return f"the {self.engine.name!r} engine attends from host state; the Triton engine (CUDA) can"
+        if self.softcap:
+            return (f"this model softcaps its attention logits (at {self.softcap}), which the Triton kernels do not: "
+                    "its steps attend through the reference path")
         if not self.engine.takes(first, self.q_heads, first.device.type == "cuda"):
             return (f"the Triton kernels do not take this shape (page size {self.config.group_size}, head size "
                     f"{first.head_dim}: powers of two >= 64 on a GPU), so its steps attend from host state")

@@ -6,18 +6,24 @@ How a Kitty layer meets a transformers model (5.x):
   2. `kitty_attention` (registered as the `kitty` attention implementation) sees the PendingKV and
      lets the layer attend over its history plus the new tokens, then insert them (so the new
      tokens are attended in FP16 and packed afterwards, the paper's order).
-  3. The `kitty` mask is transformers' SDPA mask; on a prefill its last row tells the cache which
-     positions are left padding, so pads never enter the cache.
-For anything that is not a Kitty layer (a DynamicCache, no cache) `kitty_attention` is plain SDPA,
-so switching a model to `kitty` changes nothing else.
+  3. The `kitty` mask is the mask of the attention the model ran before (SDPA's, or eager's); on a
+     prefill its last row tells the cache which positions are left padding, so pads never enter it.
+For anything that is not a Kitty layer (a DynamicCache, no cache) `kitty_attention` is the
+attention the model ran before the switch (`base_attention`: SDPA, or the model's own eager code,
+which for Gemma 2 applies its logit softcapping), so switching a model to `kitty` changes nothing
+else, and the reference engine attends with the same function.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 ATTN_NAME = "kitty"
 
@@ -38,7 +44,35 @@ class PendingKV:
 def kitty_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     if isinstance(key, PendingKV):
         return key.layer.attend(module, query, key.keys, value, attention_mask, scaling, **kwargs)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return base_attention(module)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+
+
+_BASE: dict[int, str] = {}  # id(config) -> the attention implementation its model had before `kitty`
+
+
+def base_attention(module):
+    """The attention function `module`'s model used before it was switched to `kitty`: a registered
+    one (SDPA, flash ...) or, for "eager", the model's own (`eager_attention_forward` of its modeling
+    module, as transformers' attention layers call it)."""
+    name = _BASE.get(id(getattr(module, "config", None)), "sdpa")
+    if name == "eager":
+        return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", sdpa_attention_forward)
+    return ALL_ATTENTION_FUNCTIONS[name] if name in ALL_ATTENTION_FUNCTIONS else sdpa_attention_forward
+
+
+def kitty_mask(*args, config=None, **kwargs):
+    """The mask of the attention the model ran before `kitty` (SDPA's boolean mask, eager's additive
+    one ...): `base_attention` reads it as that attention would. A Kitty layer reads its pads from the
+    last row of either kind (`cache.leading_pads`)."""
+    name = _BASE.get(id(config), "sdpa")
+    mask = ALL_MASK_ATTENTION_FUNCTIONS[name] if name in ALL_MASK_ATTENTION_FUNCTIONS else sdpa_mask
+    return mask(*args, config=config, **kwargs)
+
+
+def softcapping(config) -> float | None:
+    """The attention logits' softcap of a model (Gemma 2), which the Triton kernels do not apply."""
+    return getattr(text_config(config), "attn_logit_softcapping", None)
 
 
 _registered = False
@@ -48,14 +82,21 @@ def register() -> None:
     global _registered
     if not _registered:
         AttentionInterface.register(ATTN_NAME, kitty_attention)
-        AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+        AttentionMaskInterface.register(ATTN_NAME, kitty_mask)
         _registered = True
 
 
 def enable_kitty_attention(model) -> None:
-    """Route the model's attention through `kitty_attention` (idempotent)."""
+    """Route the model's attention through `kitty_attention` (idempotent), remembering the attention
+    it ran before for everything that is not a Kitty layer."""
     register()
-    if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
+    before = getattr(model.config, "_attn_implementation", None)
+    if before != ATTN_NAME:
+        configs = {id(c): c for c in (model.config, text_config(model.config))}
+        configs.update({id(m.config): m.config for m in model.modules() if hasattr(m, "config")})
+        for key, config in configs.items():
+            _BASE[key] = before or "sdpa"
+            weakref.finalize(config, _BASE.pop, key, None)
         model.set_attn_implementation(ATTN_NAME)
 
 

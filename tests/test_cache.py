@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -325,3 +327,37 @@ def test_dense_view_of_an_unpadded_batch_is_built_in_blocks_as_each_sequence_rea
             assert torch.equal(keys[b], k) and torch.equal(values[b], v)
         if i == 2:
             layer.drop_dense_view()
+
+
+def test_a_kitty_cache_keeps_the_models_attention_math():
+    """Gemma 2 on eager attention softcaps its logits, SDPA does not: after a KittyCache switches the
+    model to `kitty`, a DynamicCache still runs the eager code, the fp16 preset generates what
+    DynamicCache generates, and a quantized preset attends with the softcap too (reference path)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("gemma2", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                               attn_logit_softcapping=5.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    ids = torch.randint(3, 256, (1, 40))
+    gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        eager = model(input_ids=ids).logits
+        want = model.generate(input_ids=ids, past_key_values=DynamicCache(config=model.config), **gen)
+        engine = "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference"
+        kitty = KittyCache(model, "kitty-pro+sink=4+group_size=16+local_window=16", engine=engine)
+        assert model.config._attn_implementation == "kitty"
+        torch.testing.assert_close(model(input_ids=ids, past_key_values=DynamicCache(config=model.config)).logits, eager)
+        assert torch.equal(model.generate(input_ids=ids, past_key_values=KittyCache(model, "fp16"), **gen), want)
+        # the prompt attends in FP16 (no history yet): a quantized preset's prefill is the eager model's
+        torch.testing.assert_close(model(input_ids=ids, past_key_values=kitty).logits, eager)
+        assert not kitty.is_compileable
+        if engine == "triton":  # the kernels have no softcap: the Triton engine's steps take the reference path
+            assert "softcaps its attention logits (at 5.0)" in kitty.device_steps_refusal()
+            ref = KittyCache(model, "kitty-pro+sink=4+group_size=16+local_window=16", engine="reference")
+            model(input_ids=ids, past_key_values=ref)
+            for token in (5, 9, 17):
+                tok = torch.tensor([[token]])
+                torch.testing.assert_close(model(input_ids=tok, past_key_values=kitty).logits,
+                                           model(input_ids=tok, past_key_values=ref).logits)
