@@ -14,9 +14,10 @@ tokens/s = batch x new / seconds. Paths:
                        CUDA graphs); timed on a second call of the same shape, after a first that compiles
     <method>:graphed   prefill + `GraphedDecoder` (this library's greedy loop of captured steps)
 
-The compiled path's first call (compile + capture) is reported apart (`first_call_s`), and after the
-table each compiled path takes one more call at another prompt length and one at another batch,
-with the graphs torch.compile made so far (`compiled_graphs`): what a second request costs.
+The compiled path's first call (compile + capture) is reported apart (`first_call_s`). With
+`--second`, each compiled path then takes calls at another prompt length and at another batch, with
+the graphs torch.compile traced meanwhile (`compiled_graphs`): what a second request costs. With
+`--calls`, the host time of one eager decode-attention call (`attention_call_us`).
 """
 
 from __future__ import annotations

@@ -216,3 +216,16 @@ def test_compiled_generate_follows_eager_steps_on_the_demo_model(dtype):
         torch.manual_seed(3)
         runs.append(_generate(lm.model, enc, KittyCache(lm.model, "kitty-pro"), **sample))
     assert torch.equal(runs[0], runs[1])
+
+
+def test_the_generate_benchmark_runs_every_path():
+    """`bench generate`'s paths on a CPU (the reference engine: nothing compiles): the rows it reports,
+    and the same tokens from a cache's host steps and its default path."""
+    from kitty_core import generate_speed as gs
+
+    model = tiny_model("llama")
+    df = gs.measure(model, ["dynamic", "kitty-pro:host", "kitty-pro"], batch=2, prompt=40, new=6)
+    assert list(df.path) == ["dynamic", "kitty-pro:host", "kitty-pro"]
+    assert (df.tokens_per_s > 0).all() and df.loc[2, "first_call_s"] > 0
+    host = gs.timed_generate(model, "kitty-pro:host", 2, 40, 6)[1]
+    assert host.shape == (2, 6) and torch.equal(host, gs.timed_generate(model, "kitty-pro", 2, 40, 6)[1])
