@@ -9,9 +9,9 @@ How a Kitty layer meets a transformers model (5.x):
   3. The `kitty` mask is the mask of the attention the model ran before (SDPA's, or eager's); on a
      prefill its last row tells the cache which positions are left padding, so pads never enter it.
 For anything that is not a Kitty layer (a DynamicCache, no cache) `kitty_attention` is the
-attention the model ran before the switch (`base_attention`: SDPA, or the model's own eager code,
-which for Gemma 2 applies its logit softcapping), so switching a model to `kitty` changes nothing
-else, and the reference engine attends with the same function.
+attention the model ran before the switch if that was its own eager code (which for Gemma 2 applies
+its logit softcapping), else SDPA (`base_attention`), so switching a model to `kitty` does not change
+its attention math; the reference engine attends with the same function.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import weakref
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 ATTN_NAME = "kitty"
 
@@ -51,23 +50,26 @@ def kitty_attention(module, query, key, value, attention_mask, dropout=0.0, scal
 _BASE: dict[int, str] = {}  # id(config) -> the attention implementation its model had before `kitty`
 
 
+def _base(config) -> str:
+    """"eager" for a model that ran its own eager attention before `kitty`, else "sdpa": the two whose
+    4D masks a Kitty layer reads its pads from (flash and flex kernels take other masks)."""
+    return "eager" if _BASE.get(id(config)) == "eager" else "sdpa"
+
+
 def base_attention(module):
-    """The attention function `module`'s model used before it was switched to `kitty`: a registered
-    one (SDPA, flash ...) or, for "eager", the model's own (`eager_attention_forward` of its modeling
-    module, as transformers' attention layers call it)."""
-    name = _BASE.get(id(getattr(module, "config", None)), "sdpa")
-    if name == "eager":
+    """The attention function `module`'s model used before it was switched to `kitty`: for "eager",
+    the model's own (`eager_attention_forward` of its modeling module, as transformers' attention
+    layers call it), else SDPA."""
+    if _base(getattr(module, "config", None)) == "eager":
         return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", sdpa_attention_forward)
-    return ALL_ATTENTION_FUNCTIONS[name] if name in ALL_ATTENTION_FUNCTIONS else sdpa_attention_forward
+    return sdpa_attention_forward
 
 
 def kitty_mask(*args, config=None, **kwargs):
     """The mask of the attention the model ran before `kitty` (SDPA's boolean mask, eager's additive
     one ...): `base_attention` reads it as that attention would. A Kitty layer reads its pads from the
     last row of either kind (`cache.leading_pads`)."""
-    name = _BASE.get(id(config), "sdpa")
-    mask = ALL_MASK_ATTENTION_FUNCTIONS[name] if name in ALL_MASK_ATTENTION_FUNCTIONS else sdpa_mask
-    return mask(*args, config=config, **kwargs)
+    return ALL_MASK_ATTENTION_FUNCTIONS[_base(config)](*args, config=config, **kwargs)
 
 
 def softcapping(config) -> float | None:
