@@ -23,8 +23,9 @@ class ResultFileError(ValueError):
     """A result file that cannot be used; the message names it and says why."""
 
 
-E2E_SETTINGS = ("model", "device", "dtype", "torch", "transformers", "prompt", "generate", "caches")
-E2E_POINTS = ("cache", "batch", "at", "max_batch")
+E2E_SETTINGS = ("model", "prompt", "generate", "caches")
+E2E_POINTS = ("cache", "batch")
+E2E_TIMED = ("at", "max_batch")  # the columns of points that were timed (`tokens_per_s`), as `bench.e2e_table` reads
 KERNEL_COLUMNS = ("batch", "length", "boost_rate", "fused_ms", "unfused_ms", "sdpa_fp16_ms")
 ACCURACY_COLUMNS = ("method", "kl", "perplexity", "top1", "bits_per_element")
 PASSKEY_COLUMNS = ("method", "length", "depth", "correct")
@@ -67,7 +68,11 @@ def read_e2e(path: Path) -> dict:
     _need(found["settings"], E2E_SETTINGS, "settings", path)
     if not isinstance(found["settings"]["caches"], list):
         raise ResultFileError(f"{Path(path).name}: settings.caches is not a list")
-    return {**found, "points": _records(found, "points", E2E_POINTS, path),
+    points = _records(found, "points", E2E_POINTS, path)
+    missing = [c for c in E2E_TIMED if c not in points] if "tokens_per_s" in points else []
+    if missing:
+        raise ResultFileError(f"{Path(path).name}: its timed points lack the columns {', '.join(missing)}")
+    return {**found, "points": points,
             "validation": found.get("validation") if isinstance(found.get("validation"), list) else [],
             "skipped": found.get("skipped") if isinstance(found.get("skipped"), list) else []}
 

@@ -55,8 +55,9 @@ if saved:
     pick = st.selectbox("Result file", saved, format_func=lambda p: p.name, index=saved.index(fullest))
     run = runs[pick]
     s = run["settings"]
-    st.caption(f"{s['model']} on {s.get('gpu') or s['device']} ({s['dtype']}, torch {s['torch']}, transformers "
-               f"{s['transformers']}), prompt {s['prompt']} + {s['generate']} generated tokens"
+    st.caption(f"{s['model']} on {s.get('gpu') or s.get('device', '?')} ({s.get('dtype', '?')}, torch "
+               f"{s.get('torch', '?')}, transformers {s.get('transformers', '?')}), prompt {s['prompt']} + "
+               f"{s['generate']} generated tokens"
                + (f", cache budget {s['budget_gib']} GiB" if s.get("budget_gib") else ", until out of memory")
                + (f", allocator `{s['alloc_conf']}`" if s.get("alloc_conf") else "")
                + (f", decode steps timed {s['steps']} at a time at {s['points']} lengths" if s.get("steps") else "")

@@ -83,8 +83,10 @@ def test_probe_layers_outside_the_model(layers, tmp_path, capsys):
     ("e2e_a.json", '{"settings": {"caches": ', "cannot be read as JSON"),
     ("e2e_b.json", "[1, 2]", "holds a list, not a result object"),
     ("e2e_c.json", '{"points": []}', "has no settings in the file"),
-    ("e2e_d.json", '{"settings": {"model": "m", "device": "cuda", "dtype": "bf16", "torch": "2", "transformers": "5", '
-                   '"prompt": 512, "generate": 8192, "caches": "kitty"}, "points": []}', "settings.caches is not a list"),
+    ("e2e_d.json", '{"settings": {"model": "m", "prompt": 512, "generate": 8192, "caches": "kitty"}, "points": []}',
+     "settings.caches is not a list"),
+    ("e2e_e.json", '{"settings": {"model": "m", "prompt": 512, "generate": 8192, "caches": ["kitty"]}, '
+                   '"points": [{"cache": "kitty", "batch": 8, "tokens_per_s": 1.0}]}', "timed points lack the columns at"),
     ("kernels_a.json", '{"settings": {}, "results": []}', "settings lack the device"),
     ("kernels_b.json", '{"settings": {"device": "H200"}, "results": [{"batch": 1}]}', "lack the columns length"),
     ("accuracy_a.json", '{"results": [{"method": "kitty-pro++", "kl": 0, "perplexity": 1, "top1": 1, '
