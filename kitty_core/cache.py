@@ -500,11 +500,8 @@ class KittyLayer(CacheLayerMixin):
         return -(-max(self.capacity - self.config.sink, 1) // self.config.group_size)
 
     def start_steps(self, counters) -> None:
-        """Decode steps from `counters` (None: from the host's state again). The page tables are made
-        as wide as the capacity first: they must not move while graphs hold them."""
-        if counters is not None and self.is_initialized:
-            self.k_pages.reserve_slots(self.capacity_slots())
-            self.v_pages.reserve_slots(self.capacity_slots())
+        """Decode steps from `counters` (None: from the host's state again); `KittyCache.begin_device_steps`
+        has made the page tables as wide as the capacity (they must not move while graphs hold them)."""
         self.steps = counters
 
     def state_tensors(self) -> list[torch.Tensor]:
@@ -553,12 +550,11 @@ class KittyLayer(CacheLayerMixin):
 
     def _track_queries(self, query: torch.Tensor) -> None:
         """Accumulate squared queries [B, Hq, t, D] per KV head and channel, pads excluded."""
+        if self.seen >= max(self.pad):  # every query is real: no mask (nor its host-built tensor)
+            self.track_step_queries(query)
+            return
         b, hq, t, d = query.shape
         q2 = query.float().pow(2).reshape(b, self.heads, hq // self.heads, t, d)
-        if self.seen >= max(self.pad):  # every query is real: no mask (nor its host-built tensor)
-            self.q_energy += q2.sum((2, 3))
-            self.q_count += t * (hq // self.heads)
-            return
         skip = torch.tensor([min(max(p - self.seen, 0), t) for p in self.pad], device=query.device)
         real = (torch.arange(t, device=query.device)[None] >= skip[:, None]).float()  # [B, t]
         self.q_energy += torch.einsum("bhrtd,bt->bhd", q2, real)
