@@ -43,7 +43,7 @@ class TritonEngine(ReferenceEngine):
         if key_dots is not None:
             key_dots_of(key_dots, 0)  # a clear error now, not at the first decode step
         self.key_dots = key_dots
-        self.workspaces: dict[int, dict] = {}
+        self.workspaces: dict[tuple, dict] = {}  # the partials' buffers, by layer shape (`_workspace`)
         self.steps: dict[int, DecodeStep] = {}  # per layer: the launches of steps from device counters
 
     @staticmethod
@@ -102,17 +102,23 @@ class TritonEngine(ReferenceEngine):
                 layer.drop_dense_view()
             return out
         layer.insert(key_new, value_new, pack=False)
-        ws = self.workspaces.setdefault(layer.layer_idx, {})
-        out = decode_attention(layer, query, scaling, ws, key_dots=self.key_dots)
+        out = decode_attention(layer, query, scaling, self._workspace(layer), key_dots=self.key_dots)
         layer.pack_full()
         return out.transpose(1, 2), None  # transformers expects [B, t, Hq, D]
 
     def prepare_steps(self, layer, q_heads: int) -> list[torch.Tensor]:
         """Before decode steps from device counters: their workspace, allocated now (returned), and a
         fresh launch plan (the state it was built on may have moved)."""
-        ws = self.workspaces.setdefault(layer.layer_idx, {})
+        ws = self._workspace(layer)
         self.steps[layer.layer_idx] = DecodeStep(layer, ws, self.key_dots)
         return step_workspace(layer, q_heads, ws)
+
+    def _workspace(self, layer) -> dict:
+        """The partials' buffers of a layer's decode attention, one set for all layers of its shape: a
+        layer's combine reads them before the next layer's kernels write them (stream order; the tail's
+        second stream joins before the combine). One set per layer would hold (layers - 1) x the
+        partials more, memory that a batch near the GPU's limit needs for pages."""
+        return self.workspaces.setdefault((layer.batch, layer.heads, layer.head_dim, layer.dtype), {})
 
     def device_step(self, layer, query, key_new, value_new, scaling: float) -> torch.Tensor:
         """A decode step from device counters (`kitty::decode_step`): query [B, Hq, 1, D] ->

@@ -464,9 +464,8 @@ def run_e2e(a) -> int:
         if a.out:
             write_text(a.out, json.dumps(current(), indent=1, default=float))
 
-    graphs = a.decode == "graph"
     for what, row in sweep(lm.model, caches, a.prompt, a.generate, a.equal_batch, budget, a.points, a.start,
-                           graphs=graphs, steps=a.steps):
+                           decode=a.decode, steps=a.steps):
         {"probe": probes, "point": points, "skip": skipped}[what].append(row)
         brief = {k: v for k, v in row.items() if not k.startswith("step_ms")}
         print(what, json.dumps(brief, default=float), flush=True)
@@ -475,7 +474,7 @@ def run_e2e(a) -> int:
         table = e2e_table(pd.DataFrame(points))
         print(table.to_string(index=False, float_format=lambda x: f"{x:.2f}"), flush=True)
     for cache, batch, gen in checks_asked:
-        checks.append(validate(lm.model, cache, batch, a.prompt, gen, a.points, graphs=graphs, steps=a.steps))
+        checks.append(validate(lm.model, cache, batch, a.prompt, gen, a.points, decode=a.decode, steps=a.steps))
         print("validate", json.dumps(checks[-1], default=float), flush=True)
         save()
     if checks:  # the real generations, the file's earlier ones too, against the baselines' (`real_table`)
@@ -493,7 +492,7 @@ def run_profile(a) -> int:
         return 2
     caches, _, lm = setup
     for kind in caches:
-        total, wall, table = profile_step(lm.model, kind, a.batch, a.length, graphs=a.decode == "graph")
+        total, wall, table = profile_step(lm.model, kind, a.batch, a.length, decode=a.decode)
         where = "GPU kernels" if torch.cuda.is_available() else "CPU ops"
         print(f"{kind}: batch {a.batch}, {a.length} tokens: {total:.2f} ms of {where}, {wall:.2f} ms wall per decode step")
         print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"), flush=True)
@@ -554,8 +553,9 @@ def main(argv=None) -> int:
     e.add_argument("--start", type=count(1), default=8, help="first batch size of the doubling")
     e.add_argument("--validate", default="", help="CACHE:BATCH:TOKENS,... real generations to check the estimate "
                    "(after the sweep; with --caches \"\" and --merge, added to an earlier run's file)")
-    e.add_argument("--decode", choices=("graph", "eager"), default="graph",
-                   help="graph: this library's caches decode from CUDA graphs on a GPU (the others eagerly)")
+    e.add_argument("--decode", choices=("compiled", "graph", "eager"), default="compiled",
+                   help="compiled: as generate decodes (torch.compile, CUDA graphs) where a cache allows, the FP16 "
+                   "baseline from its own graphs; graph: this library's caches from their own captured graphs; eager")
     e.add_argument("--no-fuse", dest="fuse", action="store_false",
                    help="keep transformers' RMSNorm and rotary code (default: one compiled kernel each on a GPU, for every "
                    "cache: kitty_core.fusion)")
@@ -571,7 +571,7 @@ def main(argv=None) -> int:
     f.add_argument("--caches", default="fp16-prealloc,kitty-pro")
     f.add_argument("--batch", type=count(1), default=64)
     f.add_argument("--length", type=count(1), default=4096, help="tokens in the cache")
-    f.add_argument("--decode", choices=("graph", "eager"), default="graph")
+    f.add_argument("--decode", choices=("compiled", "graph", "eager"), default="compiled", help="as for e2e")
     f.add_argument("--no-fuse", dest="fuse", action="store_false", help="keep transformers' RMSNorm and rotary code")
     g = sub.add_parser("generate", help="transformers' generate with each cache against the graphed loop")
     g.add_argument("--model", default="random:qwen3-8b")

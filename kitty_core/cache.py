@@ -923,7 +923,10 @@ class KittyCache(Cache):
             return "it was built without max_length, so its page pools may grow (and move)"
         if min(first.k_sink.lens) < self.config.sink:
             return f"an FP16 sink is not full yet: every prompt needs at least {self.config.sink} tokens"
-        if not reserve and self.device_room() <= 0:
+        if self.device_room() <= 0 and (not reserve or first.max_length is not None):
+            # with max_length the pools are not reserved further ahead of need: a cache built for
+            # the GPU's whole memory holds its last tokens on host steps, which grow it only if a
+            # token more comes
             return "it holds the max_length it was built for"
         return None
 
@@ -975,11 +978,15 @@ class KittyCache(Cache):
         """The host's part of a decode step the model's forward ran from device counters
         (`kitty::end_step`): counters advanced, the host's record, packing. When the reserved room is
         used up, more is reserved and the steps begin anew (new counters: the next compiled step
-        records its CUDA graphs again, without recompiling)."""
+        records its CUDA graphs again, without recompiling); a cache built with `max_length` ends its
+        device-driven steps instead (the next compiled step, if any, is traced for the host path)."""
         self.counters.advance()
         self.after_device_step()
         if self.device_room() <= 0:
-            self.begin_device_steps(by_operator=True)
+            if self.layers[0].max_length is None:
+                self.begin_device_steps(by_operator=True)
+            else:  # full at the length it was built for: a step more (if any) from the host's record
+                self.end_device_steps()
 
     def step_shape(self) -> None:
         """Every device-driven step launches the same kernels (grids span the capacity): one graph."""

@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs.
+"""Decode steps replayed from CUDA graphs: the compiled forward `generate` runs, and a captured loop.
 
 Decoding an 8B model eagerly is bound by the host at any batch that fits a GPU: each step launches
 about a thousand kernels from Python (40-70 ms a step for Qwen3-8B at batch 64 on an H200, whatever
@@ -19,6 +19,11 @@ The protocol such a cache implements:
     after_device_step()    host bookkeeping for one step run from the counters, packing if due
     device_room()          steps left before the cache is full
     end_device_steps()     back to eager steps from the host's state
+
+Two decoders take such steps, one token per sequence, greedy: `CompiledDecoder` through the model's
+compiled forward, as `generate` decodes a `KittyCache` (the cache ends each step itself, `ops`), and
+`GraphedDecoder`, a loop that captures whole steps itself, for a cache that torch.compile does not
+serve (this library's FP16 baseline).
 """
 
 from __future__ import annotations
@@ -146,6 +151,66 @@ class GraphedDecoder:
         self.cache.end_device_steps()
 
     def __enter__(self) -> "GraphedDecoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class CompiledDecoder:
+    """Greedy decode steps of `model` over a compileable `cache` (`KittyCache.is_compileable`), through
+    the compiled forward `generate` itself calls (`model.get_compiled_call`: torch.compile, mode
+    reduce-overhead, CUDA graph trees on a GPU), so that a benchmark times the steps users get.
+
+    The cache decodes from device counters that the forward's operators advance, and does its host
+    bookkeeping (packing included) inside the forward, between the step's graphs (`kitty_core.ops`).
+    The first step compiles (tens of seconds for an 8B model); a new cache records new graphs without
+    recompiling. Same interface as `GraphedDecoder`."""
+
+    @torch.inference_mode()
+    def __init__(self, model, cache, batch: int, compile_config=None, first_ids: torch.Tensor | None = None):
+        if not getattr(cache, "is_compileable", False):
+            raise ValueError(f"{type(cache).__name__} is not compileable here: "
+                             f"{getattr(cache, 'device_steps_refusal', lambda: 'not a KittyCache')()}")
+        device = next(model.parameters()).device
+        self.model, self.cache, self.batch = model, cache, batch
+        self.use_graph = device.type == "cuda"
+        enable_kitty_attention(model)
+        cache.begin_device_steps(by_operator=True)
+        if len(cache.held_tokens()) != batch:
+            cache.end_device_steps()
+            raise ValueError(f"batch={batch} sequences, but a cache of {len(cache.held_tokens())}")
+        self.call = model.get_compiled_call(compile_config)
+        self.ids = torch.ones((batch, 1), dtype=torch.long, device=device)
+        if first_ids is not None:
+            self.ids.copy_(first_ids.reshape(batch, 1))
+        self.position = torch.zeros(1, dtype=torch.long, device=device)
+        self.position_ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self.sync()
+
+    @torch.inference_mode()
+    def sync(self) -> None:
+        """Take up the cache's host state (after tokens were added to it outside this decoder)."""
+        self.position.fill_(self.cache.get_seq_length())
+        held = torch.tensor(self.cache.held_tokens(), dtype=torch.long)[:, None]
+        self.position_ids.copy_(held, non_blocking=True)
+        self.cache.sync_device_steps()
+
+    @torch.inference_mode()
+    def step(self) -> torch.Tensor:
+        """One decode step; returns its last-position logits [B, vocab]."""
+        out = self.call(input_ids=self.ids, position_ids=self.position_ids, cache_position=self.position,
+                        past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+        self.ids.copy_(logits.argmax(-1, keepdim=True))
+        self.position += 1
+        self.position_ids += 1
+        return logits
+
+    def close(self) -> None:
+        self.cache.end_device_steps()
+
+    def __enter__(self) -> "CompiledDecoder":
         return self
 
     def __exit__(self, *exc) -> None:

@@ -9,9 +9,11 @@ steps that pack pages, one every G steps (`pack_steps`), add what one costs beyo
 in the chunks the estimate fitted). A batch that holds the GPU at its power limit decodes a little
 slower over a whole generation than in the few consecutive steps timed at each length, so check
 the largest batches that way (a validation records the SM clock and power meanwhile, `telemetry`).
-With `graphs`, the caches that can (this library's) decode from CUDA graphs (graphs.py), the others
-eagerly. The largest batch is found by doubling until the GPU runs out of memory (or a memory budget
-is exceeded), then bisecting to within 10%. Caches:
+Decode steps are taken as `decode` says (`_decoder`): "compiled", through the model's compiled
+forward as `generate` takes them (the Kitty caches on the Triton engine, `static-compiled`), the
+FP16 baseline `fp16-prealloc` from CUDA graphs it captures itself; "graph", every cache of this
+library from its own captured graphs; "eager". The largest batch is found by doubling until the GPU
+runs out of memory (or a memory budget is exceeded), then bisecting to within 10%. Caches:
 
     dynamic         transformers DynamicCache (FP16/bf16, grows by concatenation)
     static          transformers StaticCache (preallocated to the full length), eager
@@ -46,7 +48,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Quant
 
 from .cache import KittyCache, KittyLayer
 from .config import parse_method
-from .graphs import GraphedDecoder, StepCounters, can_graph
+from .graphs import CompiledDecoder, GraphedDecoder, StepCounters, can_graph
 from .hf import PendingKV, num_attention_layers
 from .telemetry import sampled
 
@@ -452,16 +454,32 @@ def pack_steps(kind: str, start: int, end: int) -> int:
 PREFILL_CHUNKS = (512, 128, 32)  # prompt tokens per prefill forward, tried in this order
 
 
-def _decoder(model, cache: Cache, batch: int, graphs: bool):
-    """How `measure` and `validate` decode. With `graphs`, a cache that can step from device
-    counters does (graphs.py): replayed from CUDA graphs on a GPU, eagerly elsewhere; any other
-    cache, and every cache without `graphs`, takes eager steps (token id 1). Returns (one step, sync
-    after the host changed the cache, how it decodes: "graph", "device counters, eager", "eager" or
+DECODES = ("compiled", "graph", "eager")
+# steps before timing: CUDA graph trees run a compiled step's first call eagerly, record the second
+# and replay from the third (a graphed loop captures on the second)
+WARMUP = 3  # how `measure` and `validate` take decode steps (`_decoder`)
+
+
+def _decoder(model, cache: Cache, batch: int, decode: str):
+    """How `measure` and `validate` decode. "compiled": a cache that `generate` compiles (a
+    `KittyCache` on the Triton engine) decodes through the model's compiled forward, as `generate`
+    does (`CompiledDecoder`); another cache that steps from device counters is "graph"ed; "graph":
+    such a cache replays steps it captured itself (`GraphedDecoder`; eagerly from the counters
+    without CUDA); any other cache, and every cache under "eager", takes eager steps (token id 1; a
+    `CompiledStaticCache` through its compiled forward). Returns (one step, sync after the host
+    changed the cache, how it decodes: "compiled", "graph", "device counters, eager", "eager" or
     "eager (why not from device counters)")."""
+    if decode not in DECODES:
+        raise ValueError(f"decode={decode!r}: one of {', '.join(DECODES)}")
     eager = (lambda: decode_step(model, cache, batch)), (lambda: None)  # noqa: E731
-    if not (graphs and can_graph(cache)):
+    if isinstance(cache, CompiledStaticCache):
+        return (*eager, "compiled")
+    if decode == "eager" or not can_graph(cache):
         return (*eager, "eager")
     try:
+        if decode == "compiled" and getattr(cache, "is_compileable", False):
+            decoder = CompiledDecoder(model, cache, batch)
+            return decoder.step, decoder.sync, "compiled" if decoder.use_graph else "device counters, eager"
         decoder = GraphedDecoder(model, cache, batch)
     except ValueError as err:  # this cache cannot step from device counters: eager, and why
         return (*eager, f"eager ({err})")
@@ -470,17 +488,17 @@ def _decoder(model, cache: Cache, batch: int, graphs: bool):
 
 @torch.inference_mode()
 def measure(model, kind: str, batch: int, prompt: int, generate: int, points: int = 4, steps: int = 3,
-            prefill_chunk: int = PREFILL_CHUNKS[0], graphs: bool = False) -> dict:
+            prefill_chunk: int = PREFILL_CHUNKS[0], decode: str = "eager") -> dict:
     """Prefill time (real forward on random ids, timed on its second run), decode step time at
     `points` cache lengths from the prompt to the end of the generation, their integral over the
     generation, peak memory.
-    `graphs`: decode steps replayed from CUDA graphs where the cache allows (`_decoder`)."""
+    `decode`: how steps are taken where the cache allows ("compiled", "graph" or "eager", `_decoder`)."""
     _free()
     device = next(model.parameters()).device
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     base = allocated()
-    room = 2 + steps  # warm-up and timed steps after each point
+    room = WARMUP + steps  # warm-up and timed steps after each point
     lengths = timed_lengths(kind, prompt, generate, points, room)
     held = prompt
     for n in lengths:
@@ -511,10 +529,10 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
         if grow > 0:
             fill(cache, model, batch, grow)
         if step is None:
-            step, sync, mode = _decoder(model, cache, batch, graphs)
+            step, sync, mode = _decoder(model, cache, batch, decode)
         sync()
-        for _ in range(2):
-            step()  # warm-up at this length (a graph's first step at a new shape runs eagerly and captures it)
+        for _ in range(WARMUP):
+            step()  # warm-up at this length (a graph's first step at a new shape runs eagerly, then it is captured)
         # consecutive steps, one sync: the host runs ahead of the GPU as in a real decode loop
         step_ms.append(1e3 * _timed(lambda: [step() for _ in range(steps)]) / steps)
         if packs and pack_ms is None:
@@ -559,18 +577,18 @@ def _packing_ms(cache, step, steps: int, until: int) -> float | None:
 
 
 @torch.inference_mode()
-def profile_step(model, kind: str, batch: int, length: int, top: int = 12, graphs: bool = False):
+def profile_step(model, kind: str, batch: int, length: int, top: int = 12, decode: str = "eager"):
     """Where one decode step's GPU time goes, for one cache at `batch` sequences of `length` tokens:
     (total GPU ms, wall ms, a table of the `top` CUDA kernels by time) from torch.profiler over 3
     steps, and the wall time of 3 more without it. Without a GPU, the same for the CPU ops.
-    `graphs`: the steps are replayed from a CUDA graph where the cache allows (`_decoder`)."""
+    `decode`: how the steps are taken where the cache allows (`_decoder`)."""
     import pandas as pd
     from torch.profiler import ProfilerActivity, profile
 
     cache = make_cache(kind, model, length + 16)
     fill(cache, model, batch, length)
-    step, _, _ = _decoder(model, cache, batch, graphs)
-    for _ in range(2):
+    step, _, _ = _decoder(model, cache, batch, decode)
+    for _ in range(WARMUP):
         step()  # compile, allocate, capture
     _sync()
     gpu = torch.cuda.is_available()
@@ -598,13 +616,13 @@ def integrate(lengths, step_ms, start: int, end: int) -> float:
 
 
 def _measure_fitting(model, kind: str, batch: int, prompt: int, generate: int, points: int, steps: int,
-                     graphs: bool) -> dict:
+                     decode: str) -> dict:
     """`measure`, its prompt prefilled in the largest of `PREFILL_CHUNKS` whose activations fit beside
     the cache, as a server would chunk it: an out-of-memory tries the next, and the smallest one's
     is raised."""
     for chunk in PREFILL_CHUNKS:
         try:
-            return measure(model, kind, batch, prompt, generate, points, steps, prefill_chunk=chunk, graphs=graphs)
+            return measure(model, kind, batch, prompt, generate, points, steps, prefill_chunk=chunk, decode=decode)
         except (torch.OutOfMemoryError, RuntimeError) as err:
             if not _is_oom(err) or chunk == PREFILL_CHUNKS[-1]:
                 raise
@@ -612,12 +630,12 @@ def _measure_fitting(model, kind: str, batch: int, prompt: int, generate: int, p
 
 
 @torch.inference_mode()
-def validate(model, kind: str, batch: int, prompt: int, generate: int, points: int = 4, graphs: bool = False,
+def validate(model, kind: str, batch: int, prompt: int, generate: int, points: int = 4, decode: str = "eager",
              steps: int = 3) -> dict:
     """One real generation of `generate` tokens against the integrated estimate of `measure`. The
     prompt is prefilled in the chunks the estimate could fit (`_measure_fitting`, as the sweep
     does), so a max batch, whose cache leaves room only for small chunks, can be checked too."""
-    estimate = _measure_fitting(model, kind, batch, prompt, generate, points, steps, graphs)
+    estimate = _measure_fitting(model, kind, batch, prompt, generate, points, steps, decode)
     chunk = estimate["prefill_chunk"]
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, prompt), device=device)
@@ -627,7 +645,7 @@ def validate(model, kind: str, batch: int, prompt: int, generate: int, points: i
     def run():
         for s in range(0, prompt, chunk):
             forward(model, cache, ids[:, s : s + chunk])
-        step, _, how = _decoder(model, cache, batch, graphs)
+        step, _, how = _decoder(model, cache, batch, decode)
         mode.append(how)
         for _ in range(generate):
             step()
@@ -644,7 +662,7 @@ def validate(model, kind: str, batch: int, prompt: int, generate: int, points: i
 
 def sweep(model, caches, prompt: int, generate: int, equal_batch: int | None = None, budget_bytes: int | None = None,
           points: int = 4, start: int = 1, limit: int = 1 << 14, stop: Callable[[], bool] | None = None,
-          graphs: bool = False, steps: int = 3) -> Iterator[tuple[str, dict]]:
+          decode: str = "eager", steps: int = 3) -> Iterator[tuple[str, dict]]:
     """Per cache: the max-batch search, then `measure` at the max batch (and at `equal_batch`), timing
     `steps` decode steps at each of `points` lengths.
     Yields ("probe", row), ("point", row) or ("skip", row) as each completes, so a caller can chart
@@ -676,7 +694,7 @@ def sweep(model, caches, prompt: int, generate: int, equal_batch: int | None = N
             at, tries = b, 0
             while True:
                 try:
-                    row = _measure_fitting(model, kind, at, prompt, generate, points, steps, graphs)
+                    row = _measure_fitting(model, kind, at, prompt, generate, points, steps, decode)
                     break
                 except (torch.OutOfMemoryError, RuntimeError) as err:
                     if not _is_oom(err):

@@ -157,6 +157,24 @@ def test_compiled_generate_traces_one_graph_and_matches_host_steps():
 
 
 @pytest.mark.skipif(not INTERPRETER, reason="tiny shapes for the interpreter")
+def test_compiled_generate_past_max_length_goes_on_from_the_host():
+    """A cache built for 44 tokens generating 10 after a 40-token prompt: its pools are not reserved
+    ahead when it fills (a cache sized to the GPU's memory must not double at its last token); the
+    steps after that come from the host's record, which grows it. The tokens of host steps."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", layers=1)
+    ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(2))
+    enc = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    step = dict(do_sample=False, max_new_tokens=10, min_new_tokens=10)
+    want = _generate(model, enc, KittyCache(model, SMALL_KITTY, engine="triton", device_steps=False), **step)
+    cache = KittyCache(model, SMALL_KITTY, engine="triton", max_length=44)
+    config = CompileConfig(backend="aot_eager", mode=None)  # not fullgraph: the host's steps are not traced
+    config._compile_all_devices = True
+    assert torch.equal(_generate(model, enc, cache, compile_config=config, **step), want)
+    assert cache.layers[0].steps is None and cache.get_seq_length() == 49
+
+
+@pytest.mark.skipif(not INTERPRETER, reason="tiny shapes for the interpreter")
 def test_compiled_generate_of_a_prompt_shorter_than_the_sink():
     """A left-padded row of 2 real tokens (sink 4): its first steps go to the host (compiled code calls
     that part as it is), device-driven steps begin once the sink is full; the tokens of host steps."""

@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_model
 from kitty_core import KittyCache
-from kitty_core.graphs import GraphedDecoder
+from kitty_core.graphs import CompiledDecoder, GraphedDecoder
 from kitty_core.throughput import make_cache
 
 PROMPT = 40
@@ -77,6 +77,34 @@ def test_kitty_steps_from_device_counters_match_eager_steps_across_page_packs():
     with torch.inference_mode():
         torch.testing.assert_close(model(input_ids=tok, past_key_values=ours).logits,
                                    model(input_ids=tok, past_key_values=ref).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="tiny shapes for the interpreter")
+def test_compiled_decoder_takes_the_steps_of_the_graphed_one():
+    """The benchmarks' compiled decoder (generate's compiled forward; aot_eager on a CPU, so the
+    interpreter's kernels run inside the traced graph) packs between its steps by itself and gives
+    the greedy tokens and logits of the graphed loop's steps; a cache it cannot compile is refused."""
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    model = tiny_model("llama", layers=1)
+    ids = torch.randint(3, 256, (2, PROMPT), generator=torch.Generator().manual_seed(3))
+    config = CompileConfig(backend="aot_eager", fullgraph=True, mode=None)
+    config._compile_all_devices = True
+    runs = []
+    for decoder in (CompiledDecoder, GraphedDecoder):
+        cache = KittyCache(model, SMALL_KITTY, engine="triton", max_length=PROMPT + 16)
+        with torch.inference_mode():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        extra = {"compile_config": config} if decoder is CompiledDecoder else {"graph": False}
+        with decoder(model, cache, 2, **extra) as d:
+            runs.append(([d.step().clone() for _ in range(14)], d.ids.clone(), cache.layers[0].k_pages.table))
+    (got, got_ids, got_pages), (want, want_ids, want_pages) = runs
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert torch.equal(got_ids, want_ids) and got_pages == want_pages and len(got_pages[0]) == 3
+    with pytest.raises(ValueError, match="not compileable"):
+        CompiledDecoder(model, KittyCache(model, SMALL_KITTY, engine="reference"), 2)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="tiny shapes for the interpreter")

@@ -67,7 +67,7 @@ def test_sweep_prefills_in_smaller_chunks_before_it_backs_the_batch_off(monkeypa
 
     calls = []
 
-    def measure(model, kind, batch, prompt, generate, points, steps, prefill_chunk, graphs=False):
+    def measure(model, kind, batch, prompt, generate, points, steps, prefill_chunk, decode="eager"):
         calls.append((batch, prefill_chunk))
         if batch > 90 or batch * prefill_chunk > 90 * 128:  # 100 fits no chunk, 90 takes 128
             raise torch.OutOfMemoryError("CUDA out of memory")
@@ -94,14 +94,15 @@ def test_measure_runs_the_model_without_autograd(monkeypatch):
     assert row["prefill_chunk"] == 512 and len(grad) >= 5 and not any(grad)
 
 
-def test_measure_with_graphs_says_how_each_cache_decoded():
-    """`graphs`: the FP16 baseline steps from device counters (eagerly on a CPU: no CUDA graph to
+@pytest.mark.parametrize("decode", ["compiled", "graph"])
+def test_measure_says_how_each_cache_decoded(decode):
+    """Compiled or graphed: the FP16 baseline steps from device counters (eagerly on a CPU: no CUDA graph to
     replay), a Kitty cache on the reference engine cannot and says why, transformers' caches are eager."""
     from conftest import tiny_model
     from kitty_core.throughput import measure
 
     model = tiny_model("llama")
-    how = {kind: measure(model, kind, 2, 40, 16, points=2, graphs=True)["decode"]
+    how = {kind: measure(model, kind, 2, 40, 16, points=2, decode=decode)["decode"]
            for kind in ("fp16-prealloc", "kitty-pro", "dynamic")}
     assert how["fp16-prealloc"] == "device counters, eager"
     assert how["kitty-pro"].startswith("eager (") and "'reference' engine" in how["kitty-pro"]
