@@ -131,6 +131,7 @@ def _command(module: str) -> Callable[[], None]:
     def run() -> None:
         runpy.run_module(module, run_name="__main__")
     run.__doc__ = f"`python -m {module}`"
+    run.module = module
     return run
 
 
