@@ -106,23 +106,28 @@ def write_csv(path: Path, df) -> None:
 @contextmanager
 def progress_bar(description: str, unit: str = "step") -> Iterator[Progress]:
     """A tqdm bar on stderr as the library's `progress(done, total, label)` callable: `done` of `total`
-    are finished (`total` None: unknown, the bar counts) and `label` runs next. The bar fills when the
-    block ends without an error. `TQDM_DISABLE=1` hides it."""
+    are finished (`total` None: unknown, the bar counts) and `label` runs next. The bar starts at the
+    first call, so that its rate and time left count the work alone, and fills when the block ends
+    without an error. `TQDM_DISABLE=1` hides it."""
     from tqdm import tqdm
 
-    bar = tqdm(desc=description, unit=unit, file=sys.stderr, dynamic_ncols=True)
+    bar = None
 
     def progress(done: int, total: int | None = None, label: str | None = None) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(desc=description, unit=unit, total=total, initial=done, file=sys.stderr, dynamic_ncols=True)
         bar.total = total
+        bar.update(done - bar.n)  # the rate and the time left from the steps so far
         if label is not None:
-            bar.set_postfix_str(str(label), refresh=False)
-        bar.update(done - bar.n)  # redraws, with the rate and time left from the steps so far
+            bar.set_postfix_str(str(label))  # redraws
     try:
         yield progress
-        if bar.total is not None:
+        if bar is not None and bar.total is not None:
             bar.update(bar.total - bar.n)
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
 
 
 def _command(module: str) -> Callable[[], None]:
