@@ -17,22 +17,104 @@ the first visit and on later ones. `profile`: the CUDA kernels one decode step r
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shlex
 import sys
-import time
 from pathlib import Path
 
-import pandas as pd
-import torch
-import torch.nn.functional as F
+from .cli import count, parser, positive, progress_bar, writable, write_csv, write_text
 
-from .cache import KittyLayer, ReferenceEngine
-from .cli import count, positive, writable, write_csv, write_text
-from .config import parse_method
-from .results import ResultFileError, read_e2e
+
+def arguments():
+    p = parser("kitty_core.bench", __doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    k = sub.add_parser("kernels", help="fused decode attention vs SDPA on FP16, Qwen3-8B attention shapes",
+                       formatter_class=p.formatter_class)
+    k.add_argument("--shapes", default="64x8192,8x32768,1x131072", help="BATCHxLENGTH,...")
+    k.add_argument("--boost", default="0,0.125,0.25", help="boost rates, comma-separated")
+    k.add_argument("--key-dots", default=None, help="the page kernel's key dots, fp16, int8 or fp16,int8 "
+                   "(default: the library's for the head size)")
+    k.add_argument("--out", type=Path, default=None, help="CSV or JSON file")
+    k.add_argument("--sweep", action="store_true", help="instead: time launch settings of the fused kernel")
+    k.add_argument("--ablate", action="store_true", help="instead: time diagnostic variants of the fused kernel")
+    k.add_argument("--pack", action="store_true", help="instead: packing time against decode time")
+    k.add_argument("--fp16", action="store_true", help="instead: FP16 attention on each SDPA backend")
+    e = sub.add_parser("e2e", help="a whole model generating: max batch, memory, throughput per cache",
+                       formatter_class=p.formatter_class)
+    e.add_argument("--model", default="random:qwen3-8b", help="demo | hub id | path | random:qwen3-8b ...")
+    e.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    e.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 "
+                   "or float16 on a GPU)")
+    e.add_argument("--caches", default="dynamic,static,static-compiled,quantized,fp16-prealloc,kivi-k2v2,kitty,kitty-pro",
+                   help="transformers' caches, fp16-prealloc and methods (METHOD@ENGINE too), comma-separated")
+    e.add_argument("--prompt", type=count(1), default=512, help="prompt tokens per sequence")
+    e.add_argument("--generate", type=count(1), default=8192, help="tokens generated per sequence")
+    e.add_argument("--equal-batch", type=count(0), default=64, help="also measure every cache at this batch (0: no)")
+    e.add_argument("--budget-gib", type=positive, default=None, help="cache bytes allowed (default: until OOM)")
+    e.add_argument("--points", type=count(1), default=4, help="cache lengths at which decode steps are timed")
+    e.add_argument("--steps", type=count(1), default=10, help="consecutive decode steps timed at each length "
+                   "(their mean; more steps, less noise from run to run)")
+    e.add_argument("--start", type=count(1), default=8, help="first batch size of the doubling")
+    e.add_argument("--validate", default="", help="CACHE:BATCH:TOKENS,... real generations to check the estimate "
+                   "(after the sweep; with --caches \"\" and --merge, added to an earlier run's file)")
+    e.add_argument("--decode", choices=("compiled", "graph", "eager"), default="compiled",
+                   help="compiled: as generate decodes (torch.compile, CUDA graphs) where a cache allows, the FP16 "
+                   "baseline from its own graphs; graph: this library's caches from their own captured graphs; eager")
+    e.add_argument("--no-fuse", dest="fuse", action="store_false",
+                   help="keep transformers' RMSNorm and rotary code (default: one compiled kernel each on a GPU, for every "
+                   "cache: kitty_core.fusion)")
+    e.add_argument("--expandable-segments", action="store_true",
+                   help="PyTorch's allocator in expandable segments: less fragmentation near a full GPU")
+    e.add_argument("--out", type=Path, default=None, help="JSON file")
+    e.add_argument("--merge", action="store_true", help="add to --out: this run's caches replace theirs there, "
+                   "the others stay (same model and settings), and the file lists both commands")
+    f = sub.add_parser("profile", help="the CUDA kernels of one decode step per cache, by GPU time",
+                       formatter_class=p.formatter_class)
+    f.add_argument("--model", default="random:qwen3-8b", help="demo | hub id | path | random:qwen3-8b ...")
+    f.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    f.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 "
+                   "or float16 on a GPU)")
+    f.add_argument("--caches", default="fp16-prealloc,kitty-pro", help="caches, comma-separated (as for e2e)")
+    f.add_argument("--batch", type=count(1), default=64, help="sequences")
+    f.add_argument("--length", type=count(1), default=4096, help="tokens in the cache")
+    f.add_argument("--decode", choices=("compiled", "graph", "eager"), default="compiled", help="as for e2e")
+    f.add_argument("--no-fuse", dest="fuse", action="store_false", help="keep transformers' RMSNorm and rotary code")
+    g = sub.add_parser("generate", help="transformers' generate with each cache against the graphed loop",
+                       formatter_class=p.formatter_class)
+    g.add_argument("--model", default="random:qwen3-8b", help="demo | hub id | path | random:qwen3-8b ...")
+    g.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    g.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 "
+                   "or float16 on a GPU)")
+    g.add_argument("--paths", default="dynamic,kitty-pro:host,kitty-pro:eager,kitty-pro,kitty-pro:graphed",
+                   help="see kitty_core.generate_speed")
+    g.add_argument("--batch", default="64", help="batch sizes, comma-separated")
+    g.add_argument("--prompt", type=count(1), default=512, help="prompt tokens per sequence")
+    g.add_argument("--new", type=count(2), default=192, help="tokens generated per sequence")
+    g.add_argument("--second", action="store_true", help="also: a compiled path's calls at another prompt "
+                   "length and batch")
+    g.add_argument("--calls", action="store_true", help="also: host time of one eager decode-attention call")
+    g.add_argument("--out", type=Path, default=None, help="CSV file")
+    w = sub.add_parser("app", help="seconds to first and later renders of every lab page in chromium",
+                       formatter_class=p.formatter_class)
+    w.add_argument("--chromium", default="/usr/bin/chromium", help="the browser Playwright drives")
+    w.add_argument("--visits", type=count(1), default=2, help="visits of every page (the first loads)")
+    w.add_argument("--log", type=Path, default=Path("/tmp/kitty-app-timing.log"), help="the server's output")
+    return p
+
+
+if __name__ == "__main__":
+    arguments().parse_args()  # --help and usage errors answer here, before the imports below load torch
+
+import json  # noqa: E402
+import shlex  # noqa: E402
+import time  # noqa: E402
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from .cache import KittyLayer, ReferenceEngine  # noqa: E402
+from .config import parse_method  # noqa: E402
+from .results import ResultFileError, read_e2e  # noqa: E402
 
 
 def cuda_time(fn, warmup: int = 3, iters: int = 20) -> float:
@@ -101,7 +183,7 @@ def launch_defaults() -> dict:
 
 
 def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16,
-                  key_dots=(None,)) -> pd.DataFrame:
+                  key_dots=(None,), progress=None) -> pd.DataFrame:
     """Per shape, boost rate and page-kernel key dots (None: the default): the fused kernel, the
     unfused qk -> softmax -> sv path and SDPA on an FP16 cache of the same shape, timed in this
     process as CUDA-graph replays (GPU time; `*_eager_ms`: plain calls, host launch cost included);
@@ -121,6 +203,8 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
         sdpa_bytes = 2 * k16.numel() * k16.element_size()
         del k16, v16, sdpa
         for boost in boosts:
+            if progress:
+                progress(len(rows) // len(key_dots), len(shapes) * len(boosts), f"{batch}x{length}, boost {boost:g}")
             layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
             state = layer.kernel_state()
             unfused = lambda: decode_attention_unfused(layer, q, scale, state)  # noqa: E731
@@ -259,7 +343,7 @@ def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.
     return pd.DataFrame(rows)
 
 
-def time_app(chromium: str, log: Path, visits: int = 2) -> pd.DataFrame:
+def time_app(chromium: str, log: Path, visits: int = 2, progress=None) -> pd.DataFrame:
     """Seconds from opening each page of a freshly started lab (demo model) until its script has
     finished, in one tab, moving through the sidebar's navigation as a user does, visit after visit:
     the first visit pays for loading the model and the page's analyses, later ones find them in
@@ -274,6 +358,8 @@ def time_app(chromium: str, log: Path, visits: int = 2) -> pd.DataFrame:
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         for visit in range(1, visits + 1):
             for path, title in PAGES:
+                if progress:
+                    progress(len(rows), visits * len(PAGES), f"visit {visit}: {title}")
                 start = time.time()
                 if visit == 1 and not path:
                     page.goto(url)
@@ -464,19 +550,24 @@ def run_e2e(a) -> int:
         if a.out:
             write_text(a.out, json.dumps(current(), indent=1, default=float))
 
-    for what, row in sweep(lm.model, caches, a.prompt, a.generate, a.equal_batch, budget, a.points, a.start,
-                           decode=a.decode, steps=a.steps):
-        {"probe": probes, "point": points, "skip": skipped}[what].append(row)
-        brief = {k: v for k, v in row.items() if not k.startswith("step_ms")}
-        print(what, json.dumps(brief, default=float), flush=True)
-        save()
+    with progress_bar("e2e sweep", "row") as progress:  # rows to come are not known: the bar counts them
+        rows = sweep(lm.model, caches, a.prompt, a.generate, a.equal_batch, budget, a.points, a.start,
+                     decode=a.decode, steps=a.steps)
+        for done, (what, row) in enumerate(rows, 1):
+            {"probe": probes, "point": points, "skip": skipped}[what].append(row)
+            brief = {k: v for k, v in row.items() if not k.startswith("step_ms")}
+            print(what, json.dumps(brief, default=float), flush=True)
+            save()
+            progress(done, None, f"{row.get('cache')} batch {row.get('batch')}")
     if points:  # none when the command only validates (--caches "")
         table = e2e_table(pd.DataFrame(points))
         print(table.to_string(index=False, float_format=lambda x: f"{x:.2f}"), flush=True)
-    for cache, batch, gen in checks_asked:
-        checks.append(validate(lm.model, cache, batch, a.prompt, gen, a.points, decode=a.decode, steps=a.steps))
-        print("validate", json.dumps(checks[-1], default=float), flush=True)
-        save()
+    with progress_bar("validations", "generation") as progress:
+        for done, (cache, batch, gen) in enumerate(checks_asked):
+            progress(done, len(checks_asked), f"{cache} batch {batch}")
+            checks.append(validate(lm.model, cache, batch, a.prompt, gen, a.points, decode=a.decode, steps=a.steps))
+            print("validate", json.dumps(checks[-1], default=float), flush=True)
+            save()
     if checks:  # the real generations, the file's earlier ones too, against the baselines' (`real_table`)
         run = current()
         real = real_table(run["validation"], pd.DataFrame(run["points"]))
@@ -491,11 +582,13 @@ def run_profile(a) -> int:
     if setup is None:
         return 2
     caches, _, lm = setup
-    for kind in caches:
-        total, wall, table = profile_step(lm.model, kind, a.batch, a.length, decode=a.decode)
-        where = "GPU kernels" if torch.cuda.is_available() else "CPU ops"
-        print(f"{kind}: batch {a.batch}, {a.length} tokens: {total:.2f} ms of {where}, {wall:.2f} ms wall per decode step")
-        print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"), flush=True)
+    with progress_bar("profiles", "cache") as progress:
+        for done, kind in enumerate(caches):
+            progress(done, len(caches), kind)
+            total, wall, table = profile_step(lm.model, kind, a.batch, a.length, decode=a.decode)
+            where = "GPU kernels" if torch.cuda.is_available() else "CPU ops"
+            print(f"{kind}: batch {a.batch}, {a.length} tokens: {total:.2f} ms of {where}, {wall:.2f} ms wall per decode step")
+            print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"), flush=True)
     return 0
 
 
@@ -510,7 +603,12 @@ def run_generate(a) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     paths = a.paths.split(",")
-    tables = [gs.measure(lm.model, paths, b, a.prompt, a.new) for b in batches]
+    tables = []
+    with progress_bar("generate calls", "path") as progress:
+        for i, b in enumerate(batches):
+            tables.append(gs.measure(lm.model, paths, b, a.prompt, a.new,
+                                     progress=lambda done, n, path: progress(i * n + done, len(batches) * n,
+                                                                             f"{path} batch {b}")))
     table = pd.concat(tables, ignore_index=True)
     print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"), flush=True)
     if a.out:
@@ -524,73 +622,16 @@ def run_generate(a) -> int:
     return 0
 
 
+def _each(shapes):
+    """The shapes one at a time, counted by a bar on stderr."""
+    with progress_bar("kernel shapes", "shape") as progress:
+        for done, shape in enumerate(shapes):
+            progress(done, len(shapes), "x".join(map(str, shape)))
+            yield shape
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kitty_core.bench", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="what", required=True)
-    k = sub.add_parser("kernels", help="fused decode attention vs SDPA on FP16, Qwen3-8B attention shapes")
-    k.add_argument("--shapes", default="64x8192,8x32768,1x131072", help="BATCHxLENGTH,...")
-    k.add_argument("--boost", default="0,0.125,0.25")
-    k.add_argument("--key-dots", default=None, help="the page kernel's key dots, fp16, int8 or fp16,int8 "
-                   "(default: the library's for the head size)")
-    k.add_argument("--out", type=Path, default=None, help="CSV or JSON file")
-    k.add_argument("--sweep", action="store_true", help="instead: time launch settings of the fused kernel")
-    k.add_argument("--ablate", action="store_true", help="instead: time diagnostic variants of the fused kernel")
-    k.add_argument("--pack", action="store_true", help="instead: packing time against decode time")
-    k.add_argument("--fp16", action="store_true", help="instead: FP16 attention on each SDPA backend")
-    e = sub.add_parser("e2e", help="a whole model generating: max batch, memory, throughput per cache")
-    e.add_argument("--model", default="random:qwen3-8b", help="demo | hub id | path | random:qwen3-8b ...")
-    e.add_argument("--device", default=None)
-    e.add_argument("--dtype", default=None)
-    e.add_argument("--caches",
-                   default="dynamic,static,static-compiled,quantized,fp16-prealloc,kivi-k2v2,kitty,kitty-pro")
-    e.add_argument("--prompt", type=count(1), default=512)
-    e.add_argument("--generate", type=count(1), default=8192)
-    e.add_argument("--equal-batch", type=count(0), default=64, help="also measure every cache at this batch (0: no)")
-    e.add_argument("--budget-gib", type=positive, default=None, help="cache bytes allowed (default: until OOM)")
-    e.add_argument("--points", type=count(1), default=4, help="cache lengths at which decode steps are timed")
-    e.add_argument("--steps", type=count(1), default=10, help="consecutive decode steps timed at each length "
-                   "(their mean; more steps, less noise from run to run)")
-    e.add_argument("--start", type=count(1), default=8, help="first batch size of the doubling")
-    e.add_argument("--validate", default="", help="CACHE:BATCH:TOKENS,... real generations to check the estimate "
-                   "(after the sweep; with --caches \"\" and --merge, added to an earlier run's file)")
-    e.add_argument("--decode", choices=("compiled", "graph", "eager"), default="compiled",
-                   help="compiled: as generate decodes (torch.compile, CUDA graphs) where a cache allows, the FP16 "
-                   "baseline from its own graphs; graph: this library's caches from their own captured graphs; eager")
-    e.add_argument("--no-fuse", dest="fuse", action="store_false",
-                   help="keep transformers' RMSNorm and rotary code (default: one compiled kernel each on a GPU, for every "
-                   "cache: kitty_core.fusion)")
-    e.add_argument("--expandable-segments", action="store_true",
-                   help="PyTorch's allocator in expandable segments: less fragmentation near a full GPU")
-    e.add_argument("--out", type=Path, default=None, help="JSON file")
-    e.add_argument("--merge", action="store_true", help="add to --out: this run's caches replace theirs there, "
-                   "the others stay (same model and settings), and the file lists both commands")
-    f = sub.add_parser("profile", help="the CUDA kernels of one decode step per cache, by GPU time")
-    f.add_argument("--model", default="random:qwen3-8b")
-    f.add_argument("--device", default=None)
-    f.add_argument("--dtype", default=None)
-    f.add_argument("--caches", default="fp16-prealloc,kitty-pro")
-    f.add_argument("--batch", type=count(1), default=64)
-    f.add_argument("--length", type=count(1), default=4096, help="tokens in the cache")
-    f.add_argument("--decode", choices=("compiled", "graph", "eager"), default="compiled", help="as for e2e")
-    f.add_argument("--no-fuse", dest="fuse", action="store_false", help="keep transformers' RMSNorm and rotary code")
-    g = sub.add_parser("generate", help="transformers' generate with each cache against the graphed loop")
-    g.add_argument("--model", default="random:qwen3-8b")
-    g.add_argument("--device", default=None)
-    g.add_argument("--dtype", default=None)
-    g.add_argument("--paths", default="dynamic,kitty-pro:host,kitty-pro:eager,kitty-pro,kitty-pro:graphed",
-                   help="see kitty_core.generate_speed")
-    g.add_argument("--batch", default="64", help="batch sizes, comma-separated")
-    g.add_argument("--prompt", type=count(1), default=512)
-    g.add_argument("--new", type=count(2), default=192, help="tokens generated per sequence")
-    g.add_argument("--second", action="store_true", help="also: a compiled path's calls at another prompt "
-                   "length and batch")
-    g.add_argument("--calls", action="store_true", help="also: host time of one eager decode-attention call")
-    g.add_argument("--out", type=Path, default=None, help="CSV file")
-    w = sub.add_parser("app", help="seconds to first and later renders of every lab page in chromium")
-    w.add_argument("--chromium", default="/usr/bin/chromium")
-    w.add_argument("--visits", type=int, default=2)
-    w.add_argument("--log", type=Path, default=Path("/tmp/kitty-app-timing.log"), help="the server's output")
-    a = p.parse_args(argv)
+    a = arguments().parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
     if getattr(a, "out", None):
         try:
@@ -608,29 +649,31 @@ def main(argv=None) -> int:
     if a.what == "generate":
         return run_generate(a)
     if a.what == "app":
-        print(time_app(a.chromium, a.log, a.visits).pivot(index="page", columns="visit", values="seconds")
-              .round(1).to_string(), flush=True)
+        with progress_bar("page visits", "page") as progress:
+            times = time_app(a.chromium, a.log, a.visits, progress)
+        print(times.pivot(index="page", columns="visit", values="seconds").round(1).to_string(), flush=True)
         return 0
     if not torch.cuda.is_available():
         print("error: the kernel benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     if a.ablate:
-        for shape in shapes:
+        for shape in _each(shapes):
             print(ablate(shape).to_string(index=False), flush=True)
         return 0
     if a.pack:
-        print(pd.DataFrame([pack_cost(shape) for shape in shapes]).to_string(index=False), flush=True)
+        print(pd.DataFrame([pack_cost(shape) for shape in _each(shapes)]).to_string(index=False), flush=True)
         return 0
     if a.fp16:
-        print(pd.concat([fp16_attention(shape) for shape in shapes]).to_string(index=False), flush=True)
+        print(pd.concat([fp16_attention(shape) for shape in _each(shapes)]).to_string(index=False), flush=True)
         return 0
     if a.sweep:
-        for shape in shapes:
+        for shape in _each(shapes):
             print(sweep_launch(shape).head(8).to_string(index=False), flush=True)
         return 0
-    df = bench_kernels(shapes, [float(x) for x in a.boost.split(",")],
-                       key_dots=a.key_dots.split(",") if a.key_dots else (None,))
+    with progress_bar("kernels", "setting") as progress:
+        df = bench_kernels(shapes, [float(x) for x in a.boost.split(",")],
+                           key_dots=a.key_dots.split(",") if a.key_dots else (None,), progress=progress)
     if a.out:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
         if a.out.suffix == ".json":

@@ -1,18 +1,46 @@
-"""What every command line here needs: counts checked as they are parsed, output paths checked
-before the work that fills them, and result files written whole or not at all.
+"""What every command line here needs: counts checked as they are parsed, help that shows the
+defaults, output paths checked before the work that fills them, result files written whole or not at
+all, progress bars on stderr, and the installed commands (`kitty-evaluate` ...).
 
 A result is written to a temporary file in its folder and renamed over the old one (`os.replace`,
 atomic on one filesystem), so a run that fails while writing (a full disk, an interrupt) leaves the
 previous file as it was.
+
+Nothing here imports torch: a command module builds its parser from these before its own imports
+load torch, so `--help` and usage errors answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import runpy
+import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+Progress = Callable[..., None]  # progress(done, total, label): `done` of `total` finished, `label` next
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with each option's default, except where there is none to show (None, a flag's False)
+    or the help text already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, "") or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def parser(module: str, description: str, **kwargs) -> argparse.ArgumentParser:
+    """An ArgumentParser named as it was started (`kitty-evaluate` or `python -m kitty_core.evaluate`),
+    with the defaults in its help."""
+    name = Path(sys.argv[0]).name
+    prog = name if name.startswith("kitty-") else f"python -m {module}"
+    return argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter, **kwargs)
 
 
 def count(minimum: int):
@@ -73,3 +101,46 @@ def write_text(path: Path, text: str) -> None:
 
 def write_csv(path: Path, df) -> None:
     write_atomic(path, lambda tmp: df.to_csv(tmp, index=False))
+
+
+@contextmanager
+def progress_bar(description: str, unit: str = "step") -> Iterator[Progress]:
+    """A tqdm bar on stderr as the library's `progress(done, total, label)` callable: `done` of `total`
+    are finished (`total` None: unknown, the bar counts) and `label` runs next. The bar starts at the
+    first call, so that its rate and time left count the work alone, and fills when the block ends
+    without an error. `TQDM_DISABLE=1` hides it."""
+    from tqdm import tqdm
+
+    bar = None
+
+    def progress(done: int, total: int | None = None, label: str | None = None) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(desc=description, unit=unit, total=total, initial=done, file=sys.stderr, dynamic_ncols=True)
+        bar.total = total
+        bar.update(done - bar.n)  # the rate and the time left from the steps so far
+        if label is not None:
+            bar.set_postfix_str(str(label))  # redraws
+    try:
+        yield progress
+        if bar is not None and bar.total is not None:
+            bar.update(bar.total - bar.n)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _command(module: str) -> Callable[[], None]:
+    """An installed command that runs `module` as `python -m module` does, so it parses its arguments
+    before torch loads as well."""
+    def run() -> None:
+        runpy.run_module(module, run_name="__main__")
+    run.__doc__ = f"`python -m {module}`"
+    run.module = module
+    return run
+
+
+evaluate = _command("kitty_core.evaluate")
+probe = _command("kitty_core.probe")
+passkey = _command("kitty_core.passkey")
+bench = _command("kitty_core.bench")

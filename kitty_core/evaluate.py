@@ -10,25 +10,46 @@ continuation token is predicted by the prefill itself. All windows run as one ba
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import sys
-import time
 from pathlib import Path
 
-import pandas as pd
-import torch
+from .cli import count, parser, progress_bar, writable, write_text
+from .texts import shipped_path
 
-from .cache import KittyCache, available_engines, make_engine
-from .cli import count, writable, write_text
-from .config import parse_method
-from .models import ModelLoadError, load_model
-from .results import boost_share
-
-DATA = Path(__file__).resolve().parent.parent / "data"
-DEFAULT_TEXT = DATA / "genesis_kjv.txt"
+DEFAULT_TEXT = shipped_path()  # Genesis (KJV): kitty_core.texts says where it is looked up
 DEFAULT_METHODS = "fp16,kivi-k4v4,kivi-k2v2,kivi-k2v2-sink,k4v2-sink,k2v4-sink,kitty,kitty-pro,kitty-pro+selection=random"
+
+
+def arguments():
+    p = parser("kitty_core.evaluate", __doc__.split("\n\n")[0])
+    p.add_argument("--model", default="demo", help="demo | hub id | local directory | file.gguf")
+    p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="a plain-text file to score")
+    p.add_argument("--context", type=count(1), default=2048, help="tokens prefilled into the cache per window")
+    p.add_argument("--continuation", type=count(1), default=128, help="tokens then fed one at a time and scored")
+    p.add_argument("--windows", type=count(1), default=3, help="windows of the text, spread evenly, as one batch")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated, e.g. fp16,kitty,kitty-pro+selection=random")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 "
+                   "or float16 on a GPU)")
+    p.add_argument("--engine", default=None, help="reference | triton | triton+key_dots=int8 (default: triton on a GPU)")
+    p.add_argument("--json", type=Path, default=None, help="write {settings, results: [...]} here")
+    return p
+
+
+if __name__ == "__main__":
+    arguments().parse_args()  # --help and usage errors answer here, before the imports below load torch
+
+import json  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+from .cache import KittyCache, available_engines, make_engine  # noqa: E402
+from .config import parse_method  # noqa: E402
+from .models import ModelLoadError, load_model  # noqa: E402
+from .results import boost_share  # noqa: E402
 
 
 def text_windows(tokenizer, text: str, context: int, continuation: int, windows: int) -> torch.Tensor:
@@ -129,18 +150,7 @@ def _display_path(path: Path) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kitty_core.evaluate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="demo", help="demo | hub id | local directory | file.gguf")
-    p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="a plain-text file to score")
-    p.add_argument("--context", type=count(1), default=2048)
-    p.add_argument("--continuation", type=count(1), default=128)
-    p.add_argument("--windows", type=count(1), default=3)
-    p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated, e.g. fp16,kitty,kitty-pro+selection=random")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--engine", default=None, help="reference | triton | triton+key_dots=int8 (default: triton on a GPU)")
-    p.add_argument("--json", type=Path, default=None, help="write {settings, results: [...]} here")
-    a = p.parse_args(argv)
+    a = arguments().parse_args(argv)
     try:
         for m in a.methods.split(","):
             parse_method(m.strip())
@@ -150,8 +160,9 @@ def main(argv=None) -> int:
             writable(a.json)
         text = a.text.read_text()
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
-        df = evaluate(lm.model, lm.tokenizer, a.methods, text, a.context, a.continuation, a.windows, a.engine,
-                      progress=lambda i, n, m: print(f"[{i + 1}/{n}] {m}", file=sys.stderr, flush=True))
+        with progress_bar("methods scored", "method") as progress:
+            df = evaluate(lm.model, lm.tokenizer, a.methods, text, a.context, a.continuation, a.windows, a.engine,
+                          progress=progress)
     except (ValueError, ModelLoadError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

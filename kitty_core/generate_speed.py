@@ -81,10 +81,12 @@ def timed_generate(model, path: str, batch: int, prompt: int, new: int, seed: in
     return time.perf_counter() - start, out
 
 
-def measure(model, paths: list[str], batch: int, prompt: int, new: int) -> pd.DataFrame:
+def measure(model, paths: list[str], batch: int, prompt: int, new: int, progress=None) -> pd.DataFrame:
     """One row per path: seconds and tokens/s of a whole `generate` call (see the module doc)."""
     rows = []
-    for path in paths:
+    for i, path in enumerate(paths):
+        if progress:
+            progress(i, len(paths), path)
         row = {"path": path, "batch": batch, "prompt": prompt, "new_tokens": new}
         compiled = ":" not in path and path != "dynamic"
         if compiled:  # the first call compiles and captures; the timed one is the second

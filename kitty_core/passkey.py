@@ -8,19 +8,39 @@ left-padded, so a method's cache serves sequences of different lengths at once.
 
 from __future__ import annotations
 
-import argparse
-import random
-import re
 import sys
 from pathlib import Path
 
-import pandas as pd
-import torch
+from .cli import count, parser, progress_bar, writable, write_csv
 
-from .cache import KittyCache
-from .cli import count, writable, write_csv
-from .config import parse_method
-from .models import ModelLoadError, load_model
+
+def arguments():
+    p = parser("kitty_core.passkey", __doc__.split("\n\n")[0])
+    p.add_argument("--model", default="demo", help="demo | hub id | local directory | file.gguf")
+    p.add_argument("--methods", default="fp16,kivi-k2v2,kitty-pro", help="comma-separated methods")
+    p.add_argument("--lengths", default="1024,2048,4096", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--depths", default="0.1,0.5,0.9", help="where the key sits in the filler (0: start, 1: end)")
+    p.add_argument("--trials", type=count(1), default=1, help="prompts (random keys) per length and depth")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random keys")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 "
+                   "or float16 on a GPU)")
+    p.add_argument("--csv", type=Path, default=None, help="write one row per prompt and method here")
+    return p
+
+
+if __name__ == "__main__":
+    arguments().parse_args()  # --help and usage errors answer here, before the imports below load torch
+
+import random  # noqa: E402
+import re  # noqa: E402
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+from .cache import KittyCache  # noqa: E402
+from .config import parse_method  # noqa: E402
+from .models import ModelLoadError, load_model  # noqa: E402
 
 INTRO = "There is an important pass key hidden inside a lot of irrelevant text. Find it and remember it.\n\n"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -84,17 +104,7 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kitty_core.passkey", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="demo")
-    p.add_argument("--methods", default="fp16,kivi-k2v2,kitty-pro")
-    p.add_argument("--lengths", default="1024,2048,4096")
-    p.add_argument("--depths", default="0.1,0.5,0.9")
-    p.add_argument("--trials", type=count(1), default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--csv", type=Path, default=None)
-    a = p.parse_args(argv)
+    a = arguments().parse_args(argv)
     try:
         lengths = [int(x) for x in a.lengths.split(",")]
         depths = [float(x) for x in a.depths.split(",")]
@@ -103,8 +113,8 @@ def main(argv=None) -> int:
         if a.csv:
             writable(a.csv)
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
-        df = run_passkey(lm.model, lm.tokenizer, a.methods, lengths, depths, a.trials, a.seed,
-                         progress=lambda i, n, s: print(f"[{i + 1}/{n}] {s}", file=sys.stderr, flush=True))
+        with progress_bar("passkey batches", "batch") as progress:
+            df = run_passkey(lm.model, lm.tokenizer, a.methods, lengths, depths, a.trials, a.seed, progress=progress)
     except (ValueError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -17,21 +17,41 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import pandas as pd
-import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from .cli import count, parser, progress_bar, writable, write_csv
+from .texts import shipped_path
 
-from .cli import count, writable, write_csv
-from .config import KittyConfig
-from .quant import _minmax_params, channel_scores
+
+def arguments():
+    p = parser("kitty_core.probe", __doc__.split("\n\n")[0])
+    p.add_argument("--model", default="demo", help="demo | hub id | local directory | file.gguf | random:qwen3-8b ...")
+    p.add_argument("--text", type=Path, default=shipped_path(), help="a plain-text file: the prompt")
+    p.add_argument("--tokens", type=count(1), default=1024, help="prompt length: the first N tokens of the text")
+    p.add_argument("--layers", default="all", help="'all' or comma-separated layer indices")
+    p.add_argument("--rules", default="magnitude,random,range,qk", help="selection rules to score against the probe")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 "
+                   "or float16 on a GPU)")
+    p.add_argument("--out", type=Path, default=Path("data/results/probe"), help="folder for the CSV tables")
+    return p
+
+
+if __name__ == "__main__":
+    arguments().parse_args()  # --help and usage errors answer here, before the imports below load torch
+
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from transformers import AttentionInterface  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+
+from .config import KittyConfig  # noqa: E402
+from .quant import _minmax_params, channel_scores  # noqa: E402
 
 TENSORS = ("key", "key_pre_rope", "value")
 
@@ -261,16 +281,7 @@ def _sync(device: torch.device) -> None:
 def main(argv=None) -> int:
     from .models import ModelLoadError, load_model
 
-    p = argparse.ArgumentParser(prog="python -m kitty_core.probe", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="demo")
-    p.add_argument("--text", type=Path, default=Path(__file__).resolve().parent.parent / "data" / "genesis_kjv.txt")
-    p.add_argument("--tokens", type=count(1), default=1024, help="prompt length: the first N tokens of the text")
-    p.add_argument("--layers", default="all", help="'all' or comma-separated layer indices")
-    p.add_argument("--rules", default="magnitude,random,range,qk")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--out", type=Path, default=Path("data/results/probe"))
-    a = p.parse_args(argv)
+    a = arguments().parse_args(argv)
     try:
         writable(a.out, folder=True)
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
@@ -289,7 +300,12 @@ def main(argv=None) -> int:
         cap = capture(lm.model, ids)
         _sync(lm.device)
         t1 = time.perf_counter()
-        sens = pd.concat([sensitivity(cap, i) for i in layers], ignore_index=True)
+        with progress_bar("sensitivity probe", "layer") as progress:
+            frames = []
+            for done, layer in enumerate(layers):
+                progress(done, len(layers), f"layer {layer}")
+                frames.append(sensitivity(cap, layer))
+        sens = pd.concat(frames, ignore_index=True)
         _sync(lm.device)
         t2 = time.perf_counter()
         agree = agreement(cap, sens, rules=a.rules.split(","))
