@@ -30,7 +30,7 @@ import pandas as pd
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import ops
+from . import calibrate, ops
 from .config import KittyConfig, parse_method
 from .graphs import StepCounters
 from .hf import PendingKV, base_attention, enable_kitty_attention, model_shape, num_attention_layers, softcapping
@@ -324,6 +324,7 @@ class KittyLayer(CacheLayerMixin):
         self.steps = None  # StepCounters while decode steps run from device counters (graphs.py)
         self.owner = weakref.ref(owner) if owner is not None else lambda: None
         self.softcap = None  # the model's attention logit softcap (Gemma 2): the reference path applies it
+        self.boost = None  # key channels its pages boost, where an allocation sets them (else the config's rate)
         self.last = owner is None  # the model's last attention layer: it ends a device-driven step
         self.generator = torch.Generator().manual_seed(config.seed * 100_003 + layer_idx)
 
@@ -335,7 +336,7 @@ class KittyLayer(CacheLayerMixin):
             raise ValueError(f"head size must be a multiple of 4 to pack 2-bit codes, got {d}")
         self.batch, self.heads, self.head_dim = b, h, d
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.n_boost = c.boosted_channels(d)
+        self.n_boost = c.boosted_channels(d) if self.boost is None else self.boost
         self.pad = [0] * b
         mk = lambda cap, grow=False: Fp16Region(b, h, d, self.dtype, self.device, cap, grow)  # noqa: E731
         if not c.quantize:  # FP16 reference: one growing region per side, nothing else
@@ -871,6 +872,13 @@ class KittyCache(Cache):
         layers[-1].last = True
         for layer in layers:
             layer.softcap = self.softcap
+        if self.config.allocation:  # boosted channels per layer from a calibration of this model
+            boosts = calibrate.check(self.config.allocation, self.config, model_shape(model.config))
+            if len(boosts) != n:
+                raise ValueError(f"{self.config.allocation} has {len(boosts)} layers' counts; this model has {n} "
+                                 "attention layers")
+            for layer, boost in zip(layers, boosts):
+                layer.boost = boost
         super().__init__(layers=layers)
 
     @property

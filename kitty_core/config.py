@@ -28,6 +28,7 @@ class KittyConfig:
     local_window: int = 128  # R: the newest R values stay FP16
     selection: str = "magnitude"  # how boosted channels are chosen per page: magnitude | random | range | qk
     seed: int = 0  # for selection="random"
+    allocation: str = ""  # a calibration file (`kitty_core.calibrate`): boosted channels per layer, same average
 
     def __post_init__(self):
         _check(isinstance(self.quantize, bool), "quantize", self.quantize, "True or False")
@@ -46,9 +47,12 @@ class KittyConfig:
             "group_size", self.group_size, "a positive multiple of 4 (four 2-bit codes per byte)",
         )
         _check(self.selection in SELECTION_RULES, "selection", self.selection, f"one of {SELECTION_RULES}")
+        _check(not self.allocation or (self.quantize and self.key_bits == 2), "allocation", self.allocation,
+               "empty for a method without INT2 keys to boost")
 
     def boosted_channels(self, head_dim: int) -> int:
-        """Number of key channels stored at 4 bits in every page (all of them when key_bits=4)."""
+        """Number of key channels stored at 4 bits in every page (all of them when key_bits=4); with an
+        `allocation`, the average over layers (each layer's count is in the file, `calibrate.check`)."""
         if self.key_bits == 4:
             return head_dim
         return int(round(self.boost_rate * head_dim))

@@ -1,0 +1,156 @@
+"""Budgeted boost allocation: how many key channels each layer boosts to 4 bits, at the method's
+average, from an offline calibration of the user's model.
+
+The paper boosts the same fraction of channels in every layer. The sensitivity probe
+(`kitty_core.probe.sensitivity`) measures, per layer, KV head and channel, how much the attention
+probabilities move when that channel alone is stored at INT2. Boosting a channel to INT4 cuts its
+error by 4x in scale (15 levels for 3), so it removes about (1 - 1/25) of that cost; a layer's k-th
+boosted channel per head removes the k-th largest of its heads' costs. Those gains fall with k in
+every layer, so taking the `round(boost_rate x D) x layers` largest gains over all layers is the
+best allocation under the budget for this additive model, and each layer's count is how many of
+them it got. Every head of a layer boosts the same count (the page format stores one boosted count
+per layer: `high` is [N, H, Db, G/4]); which channels, page by page, the method's rule still picks.
+
+The counts are saved as a small JSON file for the model, which a method names:
+`kitty-pro+allocation=<file>` (the same average bits per element as kitty-pro). A file calibrated on
+another model shape, or for another boost rate, is refused when the cache is built.
+
+    python -m kitty_core.calibrate --model demo --method kitty-pro --tokens 1024 --out allocation.json
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+from .cli import count, parser, progress_bar, writable, write_text
+from .texts import shipped_path
+
+FORMAT = "kitty-allocation/1"
+INT4_KEEPS = 1 / 25  # an INT4 channel's error over its INT2 error, in squared scale (3 levels -> 15)
+
+
+def arguments():
+    p = parser("kitty_core.calibrate", __doc__.split("\n\n")[0])
+    p.add_argument("--model", default="demo", help="demo | hub id | local directory | file.gguf")
+    p.add_argument("--method", default="kitty-pro", help="the method whose boost rate is the budget")
+    p.add_argument("--text", type=Path, default=shipped_path(), help="the calibration text (score on another)")
+    p.add_argument("--skip", type=count(0), default=0, help="tokens of the text skipped before the calibration's")
+    p.add_argument("--tokens", type=count(2), default=1024, help="calibration tokens")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16")
+    p.add_argument("--out", type=Path, required=True, help="the allocation file (JSON) to write")
+    return p
+
+
+def allocate(costs, boost_rate: float) -> list[int]:
+    """Channels to boost per layer: `costs` [layers, kv_heads, D] (INT2 cost of each channel alone),
+    the budget `round(boost_rate x D)` per layer on average."""
+    import torch
+
+    costs = torch.as_tensor(costs, dtype=torch.float64)
+    layers, _, d = costs.shape
+    per_layer = int(round(boost_rate * d))
+    gains = costs.sort(dim=-1, descending=True).values.sum(1) * (1 - INT4_KEEPS)  # [layers, D]: k-th channel's
+    # ranked over [D, layers]: equal gains go to the layers' k-th channels before any (k+1)-th, so
+    # equal costs give the uniform allocation
+    order = torch.argsort(gains.T.flatten(), descending=True, stable=True)[: per_layer * layers]
+    return torch.bincount(order % layers, minlength=layers).tolist()
+
+
+def channel_costs(sens) -> "torch.Tensor":
+    """[layers, kv_heads, D] from the probe's table (rows: layer, kv_head, q_head, channel, mse): a
+    KV head's channel costs what it costs its query heads together."""
+    import torch
+
+    per = sens.groupby(["layer", "kv_head", "channel"])["mse"].sum()
+    shape = [int(per.index.get_level_values(i).max()) + 1 for i in range(3)]
+    return torch.tensor(per.to_numpy(), dtype=torch.float64).reshape(shape)
+
+
+@functools.lru_cache(maxsize=16)
+def read(path: str) -> dict:
+    """An allocation file, checked for its own consistency (ValueError naming what is wrong)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read the allocation file {path}: {err}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an allocation file ({FORMAT}); write one with python -m kitty_core.calibrate")
+    try:
+        counts, shape, rate = data["channels_per_layer"], data["shape"], float(data["boost_rate"])
+        d, layers = int(shape["head_dim"]), int(shape["layers"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{path} lacks {err}: write it again with python -m kitty_core.calibrate") from None
+    if (len(counts) != layers or any(not isinstance(c, int) or not 0 <= c <= d for c in counts)
+            or sum(counts) != int(round(rate * d)) * layers):
+        raise ValueError(f"{path}: channels_per_layer must be {layers} counts in [0, {d}] summing to the budget "
+                         f"({int(round(rate * d))} x {layers}); write it again with python -m kitty_core.calibrate")
+    return data
+
+
+def check(path: str, config, shape: dict) -> list[int]:
+    """The per-layer counts of allocation file `path` for a method `config` on a model of `shape`
+    (`models.model_shape`); ValueError saying which does not match."""
+    data = read(path)
+    want = {k: data["shape"].get(k) for k in ("layers", "kv_heads", "head_dim")}
+    have = {k: shape.get(k) for k in want}
+    if want != have:
+        raise ValueError(f"{path} was calibrated on {data.get('model')!r} ({want}); this model has {have}: "
+                         "calibrate it with python -m kitty_core.calibrate")
+    if abs(float(data["boost_rate"]) - config.boost_rate) > 1e-9 or config.key_bits != 2:
+        raise ValueError(f"{path} spends boost_rate {data['boost_rate']} ({data.get('method')}); the method boosts "
+                         f"{config.boost_rate if config.key_bits == 2 else 'every channel'}: name it on a method of "
+                         "that boost rate, or calibrate for this one")
+    return list(data["channels_per_layer"])
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from .config import parse_method
+    from .hf import model_shape
+    from .models import ModelLoadError, load_model
+    from .probe import capture, sensitivity
+
+    a = arguments().parse_args(argv)
+    try:
+        config = parse_method(a.method)
+        if not config.quantize or config.key_bits != 2:
+            raise ValueError(f"{a.method} boosts no key channels to allocate (its keys are not INT2 with boosts)")
+        writable(a.out)
+        lm = load_model(a.model, device=a.device, dtype=a.dtype)
+        if lm.tokenizer is None:
+            raise ValueError(f"{a.model} has no tokenizer: calibration needs a real model and a text")
+        ids = lm.tokenizer(a.text.read_text(), return_tensors="pt", add_special_tokens=False).input_ids
+        ids = ids[:, a.skip : a.skip + a.tokens]
+        if ids.shape[1] < a.tokens:
+            raise ValueError(f"{a.text} has {ids.shape[1]} tokens after --skip {a.skip}, fewer than --tokens {a.tokens}")
+    except (ValueError, OSError, ModelLoadError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    cap = capture(lm.model, ids.to(lm.device))
+    with progress_bar("sensitivity probe", "layer") as progress:
+        frames = []
+        for layer in range(cap.layers):
+            progress(layer, cap.layers, f"layer {layer}")
+            frames.append(sensitivity(cap, layer, config))
+    import pandas as pd
+
+    costs = channel_costs(pd.concat(frames, ignore_index=True))
+    counts = allocate(costs, config.boost_rate)
+    shape = model_shape(lm.model.config)
+    data = {"format": FORMAT, "model": lm.name, "method": a.method, "boost_rate": config.boost_rate,
+            "shape": {k: shape[k] for k in ("layers", "kv_heads", "head_dim")},
+            "calibration": {"text": a.text.name, "skip": a.skip, "tokens": a.tokens,
+                            "dtype": str(lm.dtype).removeprefix("torch."), "torch": torch.__version__},
+            "channels_per_layer": counts}
+    write_text(a.out, json.dumps(data, indent=1))
+    print(f"{a.out}: channels per layer {counts} (uniform: {int(round(config.boost_rate * shape['head_dim']))})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
