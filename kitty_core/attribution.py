@@ -141,6 +141,42 @@ def _label(what) -> str:
     return f"layer {what[1]}, {MODES[what[0]]}"
 
 
+def analyse(model, tokenizer, text: str, methods, context: int, continuation: int, modes=tuple(MODES),
+            engine: str | None = None, progress=None) -> dict:
+    """The per-layer and per-head tables of every method over the text's first tokens: {cap, ids,
+    layer_kl, head_error, kl_all: {method: KL with every layer quantized}}. `progress(done, total,
+    label)` counts the capture, every scored cache and every layer's attention."""
+    import pandas as pd
+
+    from .config import parse_method
+    from .probe import capture
+
+    methods = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
+    if not methods or any(not parse_method(m).quantize for m in methods):
+        raise ValueError(f"pick quantized methods (fp16 is the reference everything is measured against), got {methods}")
+    if not modes or any(m not in MODES for m in modes):
+        raise ValueError(f"modes must be among {', '.join(MODES)}, got {list(modes)}")
+    ids = token_ids(tokenizer, text, context, continuation)
+    cap = capture(model, ids)
+    n = len(cap.keys)
+    total, done = 1 + len(methods) * (2 + len(modes) * n + n), [0]
+
+    def step(label: str) -> None:
+        done[0] += 1
+        if progress:
+            progress(done[0], total, label)
+
+    step("FP16 capture")
+    layers, heads, kl_all = [], [], {}
+    for m in methods:
+        df = layer_kl(model, cap, ids, m, context, modes, engine, progress=lambda d, t, label: step(label))
+        kl_all[m] = df.attrs["kl_all"]
+        layers.append(df)
+        heads.append(head_error(cap, m, context, progress=lambda d, t, label: step(label)))
+    return {"cap": cap, "ids": ids, "layer_kl": pd.concat(layers, ignore_index=True),
+            "head_error": pd.concat(heads, ignore_index=True), "kl_all": kl_all}
+
+
 # -- attention probabilities per head ---------------------------------------------------------------
 def _probabilities(cap, method: str, layer: int, context: int):
     """(FP16, method) attention probabilities [Hq, C, context + C] of the continuation's queries, and
@@ -353,38 +389,35 @@ def _run(a) -> int:
     from .cli import writable, write_csv, write_text
     from .config import parse_method
     from .models import ModelLoadError, load_model
-    from .probe import capture
 
     try:
         methods = [m.strip() for m in a.methods.split(",") if m.strip()]
         modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-        if not methods or any(not parse_method(m).quantize for m in methods):
-            raise ValueError(f"--methods needs quantized methods (fp16 is the reference), got {a.methods!r}")
-        if not modes or any(m not in MODES for m in modes):
-            raise ValueError(f"--modes must be among {', '.join(MODES)}, got {a.modes!r}")
+        for m in methods:
+            parse_method(m)  # a wrong name fails here, before the model loads
         writable(a.out, folder=True)
         text = a.text.read_text()
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
         if lm.tokenizer is None:
             raise ValueError(f"{a.model} has no tokenizer: attribution scores a text")
-        ids = token_ids(lm.tokenizer, text, a.context, a.continuation)
-        cap = capture(lm.model, ids)
-        n_layers = len(cap.keys)
+        n_layers = lm.shape["layers"]
         if a.layer is not None and not 0 <= a.layer < n_layers:
             raise ValueError(f"--layer must be in [0, {n_layers - 1}], got {a.layer}")
-        bar = tqdm(total=len(methods) * (2 + len(modes) * n_layers + n_layers) + (0 if a.no_probe else n_layers),
-                   file=sys.stderr, unit="run")
-        tables = {name: [] for name in FILES}
+        bar = tqdm(file=sys.stderr, unit="step")
+
+        def step(done, total, label):
+            bar.total = total + (0 if a.no_probe else n_layers)
+            bar.set_description(label)
+            bar.update(done - bar.n)
+
+        found = analyse(lm.model, lm.tokenizer, text, methods, a.context, a.continuation, modes, a.engine, step)
+        cap = found["cap"]
+        tables = {"layer_kl": [found["layer_kl"]], "head_error": [found["head_error"]], "attention_map": [],
+                  "parts": [], "page_error": []}
         settings = {"model": a.model, "text": a.text.name, "context": a.context, "continuation": a.continuation,
                     "methods": methods, "modes": modes, "device": str(lm.device), "dtype": str(lm.dtype),
-                    "kl_all": {}, "spearman": {}}
-        step = lambda done, total, label: (bar.set_description(label), bar.update(1))  # noqa: E731
-        for m in methods:
-            layers = layer_kl(lm.model, cap, ids, m, a.context, modes, a.engine, progress=step)
-            settings["kl_all"][m] = layers.attrs["kl_all"]
-            tables["layer_kl"].append(layers)
-            tables["head_error"].append(head_error(cap, m, a.context, progress=step))
-        heads = tables["head_error"][0]
+                    "kl_all": found["kl_all"], "spearman": {}}
+        heads = found["head_error"][found["head_error"].method == methods[0]]
         layer = a.layer if a.layer is not None else int(heads.groupby("layer")["moved"].mean().idxmax())
         in_layer = heads[heads.layer == layer]
         q_head = a.q_head if a.q_head is not None else int(in_layer.loc[in_layer.moved.idxmax(), "q_head"])
@@ -397,9 +430,11 @@ def _run(a) -> int:
         settings.update(layer=layer, q_head=q_head, kv_head=kv_head, page=a.page)
         sens = None
         if not a.no_probe:
+            first = bar.n
             sens = layer_sensitivity(cap, progress=lambda done, total: (bar.set_description(f"probe: layer {done}"),
-                                                                        bar.update(1)))
-            for m, layers in zip(methods, tables["layer_kl"]):
+                                                                        bar.update(first + done + 1 - bar.n)))
+            for m in methods:
+                layers = found["layer_kl"][found["layer_kl"].method == m]
                 settings["spearman"][m] = {mode: ranking_agreement(layers, sens, mode) for mode in modes}
         bar.close()
     except (ValueError, ModelLoadError, OSError) as err:
