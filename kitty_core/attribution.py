@@ -312,14 +312,17 @@ def layer_sensitivity(cap, progress=None):
 
 
 def ranking_agreement(layers, sensitivity, mode: str = "only") -> float:
-    """Spearman correlation of the per-layer KL (one method, one mode) against the probe's layers."""
+    """Spearman correlation of the layers' ranking by KL (one method, one mode) against the probe's
+    per-layer sensitivity. With every layer but l quantized, the layers that matter most leave the
+    least KL: that ranking is the reverse one."""
     import torch
 
     from .probe import spearman
 
     kl = layers[layers.quantized == mode].set_index("layer")["kl"].sort_index()
     probe = sensitivity.set_index("layer")["probe_mse"].reindex(kl.index)
-    return spearman(torch.tensor(kl.to_numpy()), torch.tensor(probe.to_numpy()))
+    sign = -1.0 if mode == "all_but" else 1.0
+    return spearman(torch.tensor(sign * kl.to_numpy()), torch.tensor(probe.to_numpy()))
 
 
 # -- saved runs -------------------------------------------------------------------------------------

@@ -156,6 +156,9 @@ try:
 except ValueError as err:
     st.error(str(err))
     amap = None
+if amap is not None and source == "saved run" and not use_saved:
+    st.caption(f"Layer {layer}, query head {q_head} is not the saved run's: computed here on {frame.lm.name} "
+               f"over the shipped text's first {context + continuation + 1} tokens.")
 if amap is not None:
     first, last = int(amap["key"].min()), int(amap["key"].max())
     lo, hi = st.slider("Key positions shown", first, last, (first, last))
@@ -223,9 +226,9 @@ if pages:
                           yaxis_title="token position")
         cols[1].plotly_chart(fig, width="stretch")
         k, v = err[err.side == "keys"], err[err.side == "values"]
-        st.caption(f"Mean |error|: keys {k.error.abs().mean():.4f} (boosted channels "
-                   f"{k[k.boosted.astype(bool)].error.abs().mean():.4f}, the rest "
-                   f"{k[~k.boosted.astype(bool)].error.abs().mean():.4f}), values {v.error.abs().mean():.4f}.")
+        split = (f" (boosted channels {k[k.boosted.astype(bool)].error.abs().mean():.4f}, the rest "
+                 f"{k[~k.boosted.astype(bool)].error.abs().mean():.4f})") if boosted else ""
+        st.caption(f"Mean |error|: keys {k.error.abs().mean():.4f}{split}, values {v.error.abs().mean():.4f}.")
 elif amap is not None:
     st.info(f"{method} holds no full page of keys and values after {context} tokens: a longer context fills one.")
 st.download_button("Download per-layer KL (CSV)", layers.to_csv(index=False), "layer_kl.csv", "text/csv")

@@ -32,7 +32,8 @@ def numbers(field) -> list:
 def z(trace) -> np.ndarray:
     field = trace["z"]
     if isinstance(field, dict) and "bdata" in field:
-        return np.frombuffer(base64.b64decode(field["bdata"]), dtype=field["dtype"]).reshape(field["shape"])
+        shape = [int(n) for n in str(field["shape"]).split(",")]  # plotly writes "rows, columns"
+        return np.frombuffer(base64.b64decode(field["bdata"]), dtype=field["dtype"]).reshape(shape)
     return np.array(field, dtype=float)
 
 
