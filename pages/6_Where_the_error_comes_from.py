@@ -91,11 +91,17 @@ else:
     layers, heads, kl_all = found["layer_kl"], found["head_error"], found["kl_all"][method]
 
 # -- KL per layer ---------------------------------------------------------------------------------------
-bars = layers.assign(runs=layers.quantized.map(MODES))
-fig = px.bar(bars, x="layer", y="kl", color="runs", barmode="group",
-             labels={"kl": "KL(FP16 || method), nats per token", "layer": "layer", "runs": ""},
-             title=f"{method}: KL against FP16 of the {continuation} scored tokens, per layer")
-fig.add_hline(y=kl_all, line_dash="dot", annotation_text=f"every layer quantized: {kl_all:.4f}")
+# both bars read as one layer's share: its KL alone, and the KL that keeping it alone in FP16 removes
+SHARES = {"only": "KL with only this layer quantized",
+          "all_but": "KL removed when only this layer stays FP16 (all layers' KL minus all but this one's)"}
+bars = layers.assign(runs=layers.quantized.map(SHARES),
+                     share=layers.kl.where(layers.quantized == "only", kl_all - layers.kl))
+fig = px.bar(bars, x="layer", y="share", color="runs", barmode="group", hover_data={"kl": ":.5f"},
+             labels={"share": "KL(FP16 || method), nats per token", "layer": "layer", "runs": "",
+                     "kl": "KL of this run"},
+             title=f"{method}: each layer's share of the KL against FP16 ({kl_all:.4f} with every layer quantized, "
+                   f"{continuation} scored tokens)")
+fig.update_layout(legend=dict(orientation="h", y=-0.25))
 st.plotly_chart(fig, width="stretch")
 only = layers[layers.quantized == "only"].sort_values("kl", ascending=False)
 if len(only):
@@ -168,11 +174,12 @@ if amap is not None:
     diff = p_m - p_ref
     top = float(np.nanquantile(p_ref.to_numpy(), 0.99)) or 1.0
     edge = float(np.nanmax(np.abs(diff.to_numpy()))) or 1.0
-    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, horizontal_spacing=0.03,
+    fig = make_subplots(rows=1, cols=3, shared_yaxes=True, horizontal_spacing=0.09,
                         subplot_titles=("FP16", method, f"{method} minus FP16"))
     keys, queries = list(p_ref.columns), list(p_ref.index)
     for col, z, kw in ((1, p_ref, dict(colorscale="Viridis", zmin=0, zmax=top, showscale=False)),
-                       (2, p_m, dict(colorscale="Viridis", zmin=0, zmax=top, colorbar=dict(x=0.64, title="probability"))),
+                       (2, p_m, dict(colorscale="Viridis", zmin=0, zmax=top,
+                                     colorbar=dict(x=0.645, xanchor="left", thickness=12, title="probability"))),
                        (3, diff, dict(colorscale="RdBu_r", zmid=0, zmin=-edge, zmax=edge, colorbar=dict(title="difference")))):
         fig.add_trace(go.Heatmap(z=z.to_numpy(), x=keys, y=queries, **kw), row=1, col=col)
     colors = {"sink": "#2ca02c", "page": "#d62728", "q-buffer": "#1f77b4", "new": "#9467bd", "FP16": "#2ca02c"}
@@ -215,9 +222,9 @@ if pages:
                                    zmid=0, zmin=-edge, zmax=edge, colorbar=dict(title="error")))
         fig.add_trace(go.Scatter(x=[keys.columns[0] - 3] * len(boosted), y=boosted, mode="markers",
                                  marker=dict(symbol="triangle-right", color="black", size=7),
-                                 name="boosted channel (4-bit)"))
-        fig.update_layout(title=f"Keys of page {page}: dequantized minus FP16 ({len(boosted)} channels at 4 bits)",
-                          xaxis_title="token position", yaxis_title="channel", legend=dict(orientation="h", y=-0.2))
+                                 name="boosted channel (4-bit)", showlegend=False))
+        fig.update_layout(title=f"Keys of page {page}: dequantized minus FP16; ▶ the {len(boosted)} channels at 4 bits",
+                          xaxis_title="token position", yaxis_title="channel")
         cols[0].plotly_chart(fig, width="stretch")
         values = err[err.side == "values"].pivot(index="token", columns="channel", values="error")
         fig = go.Figure(go.Heatmap(z=values.to_numpy(), x=list(values.columns), y=list(values.index),
