@@ -153,7 +153,8 @@ def analyse(model, tokenizer, text: str, methods, context: int, continuation: in
 
     methods = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
     if not methods or any(not parse_method(m).quantize for m in methods):
-        raise ValueError(f"pick quantized methods (fp16 is the reference everything is measured against), got {methods}")
+        raise ValueError(f"pick quantized methods (fp16 is the reference everything is measured against), "
+                         f"got {methods}")
     if not modes or any(m not in MODES for m in modes):
         raise ValueError(f"modes must be among {', '.join(MODES)}, got {list(modes)}")
     ids = token_ids(tokenizer, text, context, continuation)
@@ -371,15 +372,15 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default="kitty-pro,kivi-k2v2", help="comma-separated methods")
     p.add_argument("--modes", default="only,all_but", help="per-layer runs: only (this layer quantized), "
                                                            "all_but (every layer but this one)")
-    p.add_argument("--layer", type=int, default=None, help="layer of the attention map and page (default: "
-                                                          "the first method's worst layer by attention moved)")
-    p.add_argument("--q-head", type=int, default=None, help="query head of the attention map (default: that "
-                                                           "layer's worst)")
+    p.add_argument("--layer", type=int, default=None, help="layer of the attention map and page; None: the "
+                                                          "first method's worst layer by attention moved")
+    p.add_argument("--q-head", type=int, default=None, help="query head of the attention map; None: that "
+                                                           "layer's worst")
     p.add_argument("--page", type=count(0), default=0, help="page whose quantization error is kept")
     p.add_argument("--no-probe", action="store_true", help="skip the probe's per-layer sensitivity")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--engine", default=None, help="reference | triton (default: triton on a GPU)")
+    p.add_argument("--device", default=None, help="cpu | cuda; None: a GPU if there is one")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16; None: the device's default")
+    p.add_argument("--engine", default=None, help="reference | triton; None: triton on a GPU")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder of the tables")
     a = p.parse_args(argv)
     return _run(a)

@@ -180,7 +180,8 @@ if amap is not None:
     for col, z, kw in ((1, p_ref, dict(colorscale="Viridis", zmin=0, zmax=top, showscale=False)),
                        (2, p_m, dict(colorscale="Viridis", zmin=0, zmax=top,
                                      colorbar=dict(x=0.645, xanchor="left", thickness=12, title="probability"))),
-                       (3, diff, dict(colorscale="RdBu_r", zmid=0, zmin=-edge, zmax=edge, colorbar=dict(title="difference")))):
+                       (3, diff, dict(colorscale="RdBu_r", zmid=0, zmin=-edge, zmax=edge,
+                                      colorbar=dict(title="difference")))):
         fig.add_trace(go.Heatmap(z=z.to_numpy(), x=keys, y=queries, **kw), row=1, col=col)
     colors = {"sink": "#2ca02c", "page": "#d62728", "q-buffer": "#1f77b4", "new": "#9467bd", "FP16": "#2ca02c"}
     for r in spans[spans.side == "keys"].itertuples():

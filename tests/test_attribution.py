@@ -58,6 +58,16 @@ def test_cache_from_capture_is_the_state_a_prefill_leaves(tiny, method):
                                A._chunk_logprobs(model, ids, CONTEXT, prefilled), atol=1e-5, rtol=0)
 
 
+def test_one_chunk_scores_as_decoding_does(tiny):
+    """No page fills during these 16 tokens: the chunk sees what token-by-token decoding sees."""
+    from kitty_core.evaluate import continuation_logprobs
+
+    model, ids, cap = tiny
+    decoded = continuation_logprobs(model, ids[:, : CONTEXT + 17], CONTEXT, "kitty-pro")  # [1, 17, V]
+    chunk = A._chunk_logprobs(model, ids, CONTEXT, A.cache_from_capture(model, cap, "kitty-pro", CONTEXT))
+    torch.testing.assert_close(chunk, decoded[:, 1:], atol=1e-4, rtol=0)
+
+
 def test_layer_kl_per_layer_and_mode(tiny):
     model, ids, cap = tiny
     seen = []
@@ -88,7 +98,8 @@ def test_attention_map_rows_are_distributions_and_parts_tile_the_sequence(tiny):
     amap, parts = A.attention_map(cap, "kitty-pro", 1, 2, CONTEXT)
     assert amap["query"].min() == CONTEXT and amap["query"].max() == CONTEXT + 15
     sums = amap.groupby("query")[["fp16", "quantized"]].sum()
-    torch.testing.assert_close(torch.tensor(sums.to_numpy()).double(), torch.ones(16, 2, dtype=torch.float64), atol=1e-5, rtol=0)
+    ones = torch.ones(16, 2, dtype=torch.float64)
+    torch.testing.assert_close(torch.tensor(sums.to_numpy()).double(), ones, atol=1e-5, rtol=0)
     assert (amap["key"] <= amap["query"]).all()
     for side, g in parts.groupby("side"):
         assert g.start.iloc[0] == 0 and g.end.iloc[-1] == CONTEXT + 16
