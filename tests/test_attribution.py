@@ -189,3 +189,26 @@ def test_saved_run_reads_and_a_broken_one_is_named(tmp_path):
     (broken / "settings.json").write_text("{")
     with pytest.raises(ResultFileError, match="settings.json cannot be read"):
         A.read_saved(broken)
+
+
+@pytest.mark.gpu
+def test_cache_from_capture_on_the_triton_engine():
+    """On a GPU the cache packs with the Triton kernels and a chunk reads the pages directly: the built
+    state still scores as a real prefill's does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.randint(3, 256, (1, CONTEXT + 17), generator=torch.Generator().manual_seed(0))
+    cap = capture(model, ids)
+    built = A.cache_from_capture(model, cap, "kitty-pro", CONTEXT, engine="triton")
+    prefilled = KittyCache(model, "kitty-pro", engine="triton", device_steps=False)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :CONTEXT].cuda(), past_key_values=prefilled)
+    assert built.memory_report().equals(prefilled.memory_report())
+    torch.testing.assert_close(A._chunk_logprobs(model, ids, CONTEXT, built),
+                               A._chunk_logprobs(model, ids, CONTEXT, prefilled), atol=2e-2, rtol=0)
+    layers = A.layer_kl(model, cap, ids, "kitty-pro", CONTEXT, modes=("only",), engine="triton")
+    assert len(layers) == 2 and (layers.kl >= 0).all()
