@@ -851,24 +851,31 @@ class KittyCache(Cache):
     graphs (`ops`). A prefill (a later turn of a conversation) goes back to host steps for itself."""
 
     def __init__(self, model, method: str | KittyConfig = "kitty", engine: str | None = None,
-                 max_length: int | None = None, device_steps: bool = True):
+                 max_length: int | None = None, device_steps: bool = True, fp16_layers=()):
         """`max_length` (tokens per sequence, prompt included): reserve the page pools up front, so
         that memory use is known from the first step and pools never grow by doubling. Without it,
         device-driven steps reserve room for twice the tokens held when they begin, and begin anew
         (the compiled step records its CUDA graphs again) when that is used up. `device_steps=False`
-        keeps every step on the host's record (eager only, as the reference engine runs)."""
+        keeps every step on the host's record (eager only, as the reference engine runs).
+        `fp16_layers`: indices of layers kept wholly in FP16 while the others use `method`, to see
+        which layers a method's error comes from; such a cache steps from the host's record."""
         self.config = parse_method(method)
-        self.device_steps = device_steps
+        fp16_layers = set(fp16_layers)
+        self.device_steps = device_steps and not fp16_layers
         if engine is None:
             engine = "triton" if _on_cuda(model) and "triton" in available_engines() else "reference"
         self.engine = make_engine(engine)
         enable_kitty_attention(model)
         n = num_attention_layers(model.config)
+        if not fp16_layers <= set(range(n)):
+            raise ValueError(f"fp16_layers must be layer indices in [0, {n - 1}], got {sorted(fp16_layers)}")
         self.q_heads = model_shape(model.config)["q_heads"]
         self.counters = None
         self._layout = None  # the state's addresses the counters' CUDA graphs were recorded against
         self.softcap = softcapping(model.config)
-        layers = [KittyLayer(self.config, self.engine, i, max_length, owner=self) for i in range(n)]
+        fp16 = parse_method("fp16")
+        layers = [KittyLayer(fp16 if i in fp16_layers else self.config, self.engine, i, max_length, owner=self)
+                  for i in range(n)]
         layers[-1].last = True
         for layer in layers:
             layer.softcap = self.softcap
