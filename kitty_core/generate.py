@@ -2,10 +2,11 @@
 from FP16, and the per-step KL(FP16 || method) along FP16's own continuation.
 
 A short prompt never leaves the FP16 sink and buffers, so the default is a long context: the first
-`tokens` tokens of a text, continued (`long_context`), or a passkey prompt, with enough new tokens
-that pages are packed while the methods generate. The lab's first visit reads a saved run:
+`tokens` tokens of a text, continued from where they stop (`long_context`), or a passkey prompt,
+with enough new tokens that pages are packed while the methods generate. The lab's first visit
+reads a saved run:
 
-    python -m kitty_core.generate --tokens 2048 --new-tokens 128 --json data/results/generations_demo_cpu.json
+    python -m kitty_core.generate --tokens 2048 --new-tokens 64 --json data/results/generations_demo_cpu.json
 """
 
 from __future__ import annotations
@@ -122,18 +123,14 @@ def paged_share(config, n_tokens: int) -> dict:
             for side in ("keys", "values")}
 
 
-CONTINUE = "\n\nContinue the text."
-
-
 def long_context(tokenizer, text: str, tokens: int) -> str:
-    """The first `tokens` tokens of `text` (cut at a line end where one is near), to be continued:
-    long enough that the methods' pages hold most of it. ValueError if the text is shorter."""
+    """The first `tokens` tokens of `text`, to be continued from where they stop (mid-sentence: the
+    model's next tokens follow the text, so a method that departs from FP16 shows it early): long
+    enough that the methods' pages hold most of it. ValueError if the text is shorter."""
     ids = tokenizer(text, add_special_tokens=False).input_ids
     if len(ids) < tokens:
         raise ValueError(f"the text has {len(ids)} tokens; {tokens} were asked for: pick fewer or a longer text")
-    head = tokenizer.decode(ids[:tokens])
-    cut = head.rfind("\n")
-    return head[: cut + 1] if cut > 0.9 * len(head) else head
+    return tokenizer.decode(ids[:tokens])
 
 
 def save_generations(path: Path, texts: pd.DataFrame, kl: pd.DataFrame, settings: dict) -> None:
@@ -166,7 +163,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="demo", help="demo | hub id | local directory | file.gguf")
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="the text whose first tokens are the context")
     p.add_argument("--tokens", type=count(1), default=2048, help="context tokens taken from the text")
-    p.add_argument("--new-tokens", type=count(1), default=128)
+    p.add_argument("--new-tokens", type=count(1), default=64)
     p.add_argument("--methods", default="kivi-k2v2,kitty-pro", help="compared with fp16, comma-separated")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
@@ -179,7 +176,7 @@ def main(argv=None) -> int:
         if a.json:
             writable(a.json)
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
-        prompt = long_context(lm.tokenizer, a.text.read_text(), a.tokens) + CONTINUE
+        prompt = long_context(lm.tokenizer, a.text.read_text(), a.tokens)
         texts, kl = compare_generations(lm.model, lm.tokenizer, prompt, methods, a.new_tokens,
                                         progress=lambda i, n, s: print(f"[{i}/{n}] {s}", file=sys.stderr, flush=True))
     except (ValueError, ModelLoadError, OSError) as err:
@@ -193,7 +190,7 @@ def main(argv=None) -> int:
         save_generations(a.json, texts, kl, {
             "model": a.model, "device": str(lm.device), "dtype": str(lm.dtype).removeprefix("torch."),
             "text": a.text.name, "tokens": a.tokens, "new_tokens": a.new_tokens, "methods": methods,
-            "prompt": "long context", "chat": False})
+            "prompt": "long context"})
     return 0
 
 

@@ -9,7 +9,7 @@ import streamlit as st
 
 from kitty_app import DATA, TEXT, Progress, gpu_lock, sidebar
 from kitty_core import PRESETS
-from kitty_core.generate import CONTINUE, compare_generations, long_context, read_generations
+from kitty_core.generate import compare_generations, long_context, read_generations
 from kitty_core.passkey import passkey_prompt, run_passkey
 from kitty_core.results import ResultFileError, read_passkey
 
@@ -24,20 +24,20 @@ st.caption("Greedy generations of each method beside FP16's. A method's text is 
            "2-bit pages, so the default is a long context whose pages fill while the methods generate.")
 
 tok, limit = frame.lm.tokenizer, int(frame.lm.shape["context"] or 1 << 20)
-kind = st.radio("Prompt", PROMPTS, horizontal=True)
+kind = st.radio("Prompt", PROMPTS, horizontal=True, key="prompt_kind")
 cols = st.columns([3, 1, 1, 1])
 methods = cols[0].multiselect("Methods", sorted(set(PRESETS) - {"fp16"} | {frame.method}),
                               default=list(dict.fromkeys(["kivi-k2v2", frame.method])))
-new_tokens = int(cols[1].number_input("New tokens", 1, 1024, 128, 16))
+new_tokens = int(cols[1].number_input("New tokens", 1, 1024, 64, 16))
 chat, settings = False, {}
 try:
     if kind == PROMPTS[0]:
         tokens = int(cols[2].number_input("Context tokens", 64, limit, min(2048, limit), 256,
-                                          help="the first tokens of the sidebar's prompt source, then "
-                                               f"{CONTINUE.strip()!r}"))
+                                          help="the first tokens of the sidebar's prompt source, continued "
+                                               "from where they stop"))
         if not frame.text.strip():
             raise ValueError("the prompt source is empty: type some text in the sidebar, or pick the shipped text")
-        prompt = long_context(tok, frame.text, tokens) + CONTINUE
+        prompt = long_context(tok, frame.text, tokens)
         settings = {"prompt": "long context", "tokens": tokens, "text": TEXT.name if frame.text == TEXT.read_text()
                     else None}
     elif kind == PROMPTS[1]:

@@ -89,7 +89,7 @@ def test_generations_page_opens_on_a_saved_long_context_run():
 
 def test_generations_page_runs_a_short_prompt_and_rejects_bad_ones():
     at = run("pages/4_Generations.py")
-    at.radio[1].set_value("Short prompt").run()  # radio[0] is the sidebar's prompt source
+    at.radio(key="prompt_kind").set_value("Short prompt").run()
     at.number_input[0].set_value(6).run()
     at.button[0].click().run()
     assert not at.exception, at.exception
