@@ -36,14 +36,20 @@ config = parse_method(frame.method)
 sel = stats[(stats.tensor == tensor) & (stats.layer == layer) & (stats["head"] == head)].copy()
 mask = boosted(cap, int(layer), config)[int(head)].cpu().numpy() if tensor != "value" else None
 # the channel's precision in the method's pages, in words (values are never boosted)
-sel["precision"] = (["boosted (4 bits)" if b else "not boosted (2 bits)" for b in mask] if mask is not None
-                    else "values: no channel is boosted")
+if not config.quantize:
+    sel["precision"] = "FP16: nothing is quantized"
+elif mask is None:
+    sel["precision"] = "values: no channel is boosted"
+else:
+    sel["precision"] = [f"boosted ({config.key_bits + 2 if config.key_bits == 2 else config.key_bits} bits)" if b
+                        else f"not boosted ({config.key_bits} bits)" for b in mask]
 bars = px.bar(sel, x="channel", y="mean_abs", color="precision",
               labels={"mean_abs": "mean |value| over the prompt", "precision": ""},
               title=f"Mean magnitude of the {what} per channel; in red the channels {frame.method} boosts on this "
                     f"prompt ({config.selection} rule)",
               color_discrete_map={"boosted (4 bits)": "#d62728", "not boosted (2 bits)": "#1f77b4",
-                                  "values: no channel is boosted": "#1f77b4"})
+                                  "not boosted (4 bits)": "#1f77b4", "values: no channel is boosted": "#1f77b4",
+                                  "FP16: nothing is quantized": "#1f77b4"})
 st.plotly_chart(bars, width="stretch")
 
 per_layer = ratios.groupby(["tensor", "layer"], as_index=False)["outlier_ratio"].mean()

@@ -63,6 +63,53 @@ def finished() -> dict:
     return {}
 
 
+def show(texts: pd.DataFrame, kl: pd.DataFrame) -> None:
+    """Each method's text with its first departure marked, a summary table, KL per step."""
+    mean_kl = kl.groupby("method")["kl"].mean() if len(kl) else pd.Series(dtype=float)
+    for row in texts.itertuples():
+        d = None if pd.isna(row.first_divergence) else int(row.first_divergence)
+        with slots[row.method].container():
+            pages = (f"; context in 2-bit pages: keys {row.keys_in_2bit_pages:.0%}, values {row.values_in_2bit_pages:.0%}"
+                     if "keys_in_2bit_pages" in texts and row.method != "fp16" else "")
+            if row.method == "fp16":
+                st.caption(f"the reference: {len(row.tokens)} tokens")
+                st.markdown(html.escape(row.text))
+            elif d is None:
+                st.caption(f"same {len(row.tokens)} tokens as FP16; mean KL {mean_kl.get(row.method, 0):.4f}{pages}")
+                st.markdown(html.escape(row.text))
+            else:
+                same = tok.decode(row.tokens[:d], skip_special_tokens=True)
+                rest = tok.decode(row.tokens[d:], skip_special_tokens=True)
+                st.caption(f"departs from FP16 after {d} tokens; mean KL {mean_kl.get(row.method, 0):.4f}{pages}")
+                st.markdown(f"{html.escape(same)}<mark>{html.escape(rest)}</mark>", unsafe_allow_html=True)
+
+    summary = texts[texts.method != "fp16"].assign(
+        departs=lambda t: [len(tk) if pd.isna(d) else int(d) for tk, d in zip(t.tokens, t.first_divergence)],
+        mean_kl=lambda t: t.method.map(mean_kl), max_kl=lambda t: t.method.map(kl.groupby("method")["kl"].max()))
+    st.dataframe(summary[[c for c in ["method", "departs", "mean_kl", "max_kl", "keys_in_2bit_pages",
+                                      "values_in_2bit_pages"] if c in summary]], hide_index=True, column_config={
+        "departs": st.column_config.NumberColumn("tokens until it departs from FP16", format="%d"),
+        "mean_kl": st.column_config.NumberColumn("mean KL (nats / token)", format="%.4f"),
+        "max_kl": st.column_config.NumberColumn("largest KL", format="%.3f"),
+        "keys_in_2bit_pages": st.column_config.NumberColumn("keys in 2-bit pages", format="percent"),
+        "values_in_2bit_pages": st.column_config.NumberColumn("values in 2-bit pages", format="percent"),
+    })
+    if len(kl):
+        fig = px.line(kl, x="step", y="kl", color="method", markers=True,
+                      labels={"step": "generated token (FP16's continuation)", "kl": "KL(FP16 ‖ method), nats",
+                              "method": ""},
+                      title="KL(FP16 ‖ method) per step, along FP16's own continuation")
+        for r in summary.itertuples():
+            if r.departs < len(r.tokens):
+                fig.add_vline(x=r.departs, line_dash="dot", annotation_text=f"{r.method} departs",
+                              annotation_textangle=-90)
+        st.plotly_chart(fig, width="stretch")
+        if not kl.kl.abs().gt(1e-9).any():
+            st.caption("KL is zero throughout: this short a prompt still sits in the FP16 sink and buffers, "
+                       "nothing has been packed yet. Longer prompts reach the 2-bit pages.")
+    st.download_button("Download (CSV)", texts.drop(columns="tokens").to_csv(index=False), "generations.csv", "text/csv")
+
+
 key = (frame.model_key, prompt, tuple(methods), new_tokens)
 run_it = st.button("Run on the loaded model", type="primary")
 shown = ["fp16"] + [m for m in methods if m != "fp16"]
@@ -78,16 +125,15 @@ if result is None and not run_it and SAVED.exists():
     except ResultFileError as err:
         st.warning(f"{err}; skipped. `python -m kitty_core.generate --json` writes such files.")
     else:
-        same = (frame.model_key[0] == saved_settings["model"] and settings.get("prompt") == "long context"
+        same = (frame.model_key[0] == saved_settings.get("model") and settings.get("prompt") == "long context"
                 and settings.get("text") == saved_settings.get("text") and tokens == saved_settings.get("tokens")
                 and new_tokens == saved_settings.get("new_tokens") and list(methods) == saved_settings.get("methods"))
-        result = (texts, kl, f"saved run: {saved_settings['model']} on {saved_settings['device']}, "
-                             f"{saved_settings['dtype']}") if same else None
+        result = (texts, kl, f"saved run: {saved_settings['model']} on {saved_settings.get('device', '?')}, "
+                             f"{saved_settings.get('dtype', '?')}") if same else None
 if result is None and not run_it:
     st.info("Press **Run on the loaded model** to generate with these settings (on a CPU, a 2,000-token context "
             "takes minutes per method).")
-    st.stop()
-if result is None or run_it:
+elif result is None or run_it:
     try:
         bar = Progress("Tokens generated and scored")
         with gpu_lock():
@@ -95,65 +141,22 @@ if result is None or run_it:
                                             on_text=lambda m, text: slots[m].markdown(html.escape(text) + " ▌"),
                                             progress=bar)
         bar.clear()
+        result = (texts, kl, f"run here: {frame.lm.name} on {frame.lm.device}")
+        done = finished()
+        done[key] = result
+        while len(done) > 16:
+            done.pop(next(iter(done)))
     except ValueError as err:
         st.error(str(err))
-        st.stop()
-    result = (texts, kl, f"run here: {frame.lm.name} on {frame.lm.device}")
-    done = finished()
-    done[key] = result
-    while len(done) > 16:
-        done.pop(next(iter(done)))
-texts, kl, source = result
-if saved_settings and source.startswith("saved"):
-    st.caption(f"{source}, written by `python -m kitty_core.generate --tokens {saved_settings['tokens']} "
-               f"--new-tokens {saved_settings['new_tokens']} --methods {','.join(saved_settings['methods'])} "
-               "--json data/results/generations_demo_cpu.json`. **Run on the loaded model** recomputes it.")
-else:
-    st.caption(source)
-
-mean_kl = kl.groupby("method")["kl"].mean() if len(kl) else pd.Series(dtype=float)
-for row in texts.itertuples():
-    d = None if pd.isna(row.first_divergence) else int(row.first_divergence)
-    with slots[row.method].container():
-        pages = (f"; context in 2-bit pages: keys {row.keys_in_2bit_pages:.0%}, values {row.values_in_2bit_pages:.0%}"
-                 if "keys_in_2bit_pages" in texts and row.method != "fp16" else "")
-        if row.method == "fp16":
-            st.caption(f"the reference: {len(row.tokens)} tokens")
-            st.markdown(html.escape(row.text))
-        elif d is None:
-            st.caption(f"same {len(row.tokens)} tokens as FP16; mean KL {mean_kl.get(row.method, 0):.4f}{pages}")
-            st.markdown(html.escape(row.text))
-        else:
-            same = tok.decode(row.tokens[:d], skip_special_tokens=True)
-            rest = tok.decode(row.tokens[d:], skip_special_tokens=True)
-            st.caption(f"departs from FP16 after {d} tokens; mean KL {mean_kl.get(row.method, 0):.4f}{pages}")
-            st.markdown(f"{html.escape(same)}<mark>{html.escape(rest)}</mark>", unsafe_allow_html=True)
-
-summary = texts[texts.method != "fp16"].assign(
-    departs=lambda t: [len(tk) if pd.isna(d) else int(d) for tk, d in zip(t.tokens, t.first_divergence)],
-    mean_kl=lambda t: t.method.map(mean_kl), max_kl=lambda t: t.method.map(kl.groupby("method")["kl"].max()))
-st.dataframe(summary[[c for c in ["method", "departs", "mean_kl", "max_kl", "keys_in_2bit_pages",
-                                  "values_in_2bit_pages"] if c in summary]], hide_index=True, column_config={
-    "departs": st.column_config.NumberColumn("tokens until it departs from FP16", format="%d"),
-    "mean_kl": st.column_config.NumberColumn("mean KL (nats / token)", format="%.4f"),
-    "max_kl": st.column_config.NumberColumn("largest KL", format="%.3f"),
-    "keys_in_2bit_pages": st.column_config.NumberColumn("keys in 2-bit pages", format="percent"),
-    "values_in_2bit_pages": st.column_config.NumberColumn("values in 2-bit pages", format="percent"),
-})
-if len(kl):
-    fig = px.line(kl, x="step", y="kl", color="method", markers=True,
-                  labels={"step": "generated token (FP16's continuation)", "kl": "KL(FP16 ‖ method), nats",
-                          "method": ""},
-                  title="KL(FP16 ‖ method) per step, along FP16's own continuation")
-    for r in summary.itertuples():
-        if r.departs < len(r.tokens):
-            fig.add_vline(x=r.departs, line_dash="dot", annotation_text=f"{r.method} departs",
-                          annotation_textangle=-90)
-    st.plotly_chart(fig, width="stretch")
-    if not kl.kl.abs().gt(1e-9).any():
-        st.caption("KL is zero throughout: this short a prompt still sits in the FP16 sink and buffers, "
-                   "nothing has been packed yet. Longer prompts reach the 2-bit pages.")
-st.download_button("Download (CSV)", texts.drop(columns="tokens").to_csv(index=False), "generations.csv", "text/csv")
+if result is not None:
+    texts, kl, source = result
+    if saved_settings and source.startswith("saved"):
+        st.caption(f"{source}, written by `python -m kitty_core.generate --tokens {saved_settings['tokens']} "
+                   f"--new-tokens {saved_settings['new_tokens']} --methods {','.join(saved_settings['methods'])} "
+                   "--json data/results/generations_demo_cpu.json`. **Run on the loaded model** recomputes it.")
+    else:
+        st.caption(source)
+    show(texts, kl)
 
 st.subheader("Passkey retrieval")
 st.markdown("A 5-digit key hidden at a depth of filler text; a cell is the share of trials whose answer "

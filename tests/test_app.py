@@ -269,6 +269,7 @@ def test_pages_skip_malformed_result_files(tmp_path, monkeypatch):
     (res / "kernels_h200.json").write_text('{"settings": {"device": "H200"}, "results": [{"batch": 1')
     (res / "accuracy_broken.json").write_text('{"results": [{"method": "kitty-pro"}]}')
     (res / "passkey_demo_cpu.csv").write_text('method,length\n"unterminated')
+    (res / "generations_demo_cpu.json").write_text('{"settings": {}, "texts": [{"method": "fp16"}], "kl": []}')
     monkeypatch.setattr(kitty_app, "DATA", tmp_path)
     warned = lambda at: " ".join(w.value for w in at.warning)  # noqa: E731
     memory = run("pages/5_Memory_and_throughput.py")
@@ -278,3 +279,4 @@ def test_pages_skip_malformed_result_files(tmp_path, monkeypatch):
     assert "accuracy_broken.json: its results lack the columns kl, perplexity, top1, bits_per_element" in warned(boost)
     generations = run("pages/4_Generations.py")
     assert "passkey_demo_cpu.csv" in warned(generations)
+    assert "generations_demo_cpu.json: its texts lack text, tokens, first_divergence" in warned(generations)
