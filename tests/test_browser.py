@@ -87,7 +87,7 @@ PAGES = [(path, name, action) for path, (name, action) in zip(PAGE_PATHS, ACTION
 def test_page_in_chromium(server, browser, path, name, action):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     sockets = []
-    page.on("websocket", sockets.append)
+    page.on("websocket", lambda ws: sockets.append(ws))
     page.goto(f"{server}/{path}")
     page.wait_for_selector(".js-plotly-plot", timeout=240_000)  # every page draws a chart from real data
     settle(page)
