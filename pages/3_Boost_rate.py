@@ -86,7 +86,7 @@ fig.update_xaxes(title_text="boost rate (share of key channels at 4 bits)", tick
                  range=[-0.04, 1.04])
 fig.update_yaxes(title_text=METRICS[metric], type="log" if log else "linear",
                  tickformat=".0%" if metric == "top1" else None, secondary_y=False)
-fig.update_yaxes(title_text="bits per element (keys and values)", secondary_y=True, showgrid=False)
+fig.update_yaxes(title_text="bits per element (keys and values)", secondary_y=True, showgrid=False, tickformat=".1f")
 st.plotly_chart(fig, width="stretch")
 st.dataframe(df[["method", "rule", "boost_rate", "kl", "perplexity", "top1", "bits_per_element", "seconds"]],
              hide_index=True, column_config={
