@@ -23,7 +23,7 @@ st.caption("How close each cache's next-token predictions stay to FP16's as the 
            "stored at 4 bits grows, one curve per channel-selection rule; presets as reference points.")
 
 saved = sorted(p.name for p in (DATA / "results").glob("*.json") if "accuracy" in p.name or "rules" in p.name)
-source = st.radio("Results", ["saved run", "run on the loaded model"], horizontal=True)
+source = st.radio("Results", ["saved run", "run on the loaded model"], horizontal=True, key="results_source")
 if source == "saved run":
     if not saved:
         st.info("No saved accuracy runs in data/results. `python -m kitty_core.evaluate --json` writes them.")

@@ -118,6 +118,14 @@ def test_boost_rate_page_draws_a_curve_per_rule_from_0_to_1():
     assert "presets" in {t.get("name") for t in spec["data"]}
 
 
+def test_boost_rate_live_sweep_needs_a_rule():
+    at = run("pages/3_Boost_rate.py")
+    at.radio(key="results_source").set_value("run on the loaded model").run()
+    at.multiselect[0].set_value([]).run()  # no rule
+    at.button[0].click().run()
+    assert not at.exception and "at least one rule" in at.error[0].value
+
+
 def test_memory_page_charts_saved_runs_and_sweeps_live():
     at = run("pages/5_Memory_and_throughput.py")
     saved = chart(at)
