@@ -149,7 +149,8 @@ def read_generations(path: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
         settings = dict(found["settings"])
         missing = [c for c in ("method", "text", "tokens", "first_divergence") if c not in texts]
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ResultFileError(f"{Path(path).name} is not a saved generation run ({type(err).__name__}: {err})") from None
+        raise ResultFileError(f"{Path(path).name} is not a saved generation run "
+                              f"({type(err).__name__}: {err})") from None
     if missing or texts.empty:
         raise ResultFileError(f"{Path(path).name}: its texts lack {', '.join(missing) or 'rows'}")
     return settings, texts.astype({"first_divergence": "Int64"}), kl

@@ -69,7 +69,8 @@ def show(texts: pd.DataFrame, kl: pd.DataFrame) -> None:
     for row in texts.itertuples():
         d = None if pd.isna(row.first_divergence) else int(row.first_divergence)
         with slots[row.method].container():
-            pages = (f"; context in 2-bit pages: keys {row.keys_in_2bit_pages:.0%}, values {row.values_in_2bit_pages:.0%}"
+            pages = (f"; context in 2-bit pages: keys {row.keys_in_2bit_pages:.0%}, "
+                     f"values {row.values_in_2bit_pages:.0%}"
                      if "keys_in_2bit_pages" in texts and row.method != "fp16" else "")
             if row.method == "fp16":
                 st.caption(f"the reference: {len(row.tokens)} tokens")
@@ -107,7 +108,8 @@ def show(texts: pd.DataFrame, kl: pd.DataFrame) -> None:
         if not kl.kl.abs().gt(1e-9).any():
             st.caption("KL is zero throughout: this short a prompt still sits in the FP16 sink and buffers, "
                        "nothing has been packed yet. Longer prompts reach the 2-bit pages.")
-    st.download_button("Download (CSV)", texts.drop(columns="tokens").to_csv(index=False), "generations.csv", "text/csv")
+    st.download_button("Download (CSV)", texts.drop(columns="tokens").to_csv(index=False), "generations.csv",
+                       "text/csv")
 
 
 key = (frame.model_key, prompt, tuple(methods), new_tokens)
