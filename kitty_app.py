@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,6 +119,36 @@ def cached_sensitivity(model_key: tuple, text: str, tokens: int, layer: int):
     cap = cached_capture(model_key, text, tokens)
     with gpu_lock():
         return sensitivity(cap, layer)
+
+
+def duration(seconds: float) -> str:
+    """12 s, 3 min 05 s, 1 h 02 min: for a reader, not a log."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s // 60 % 60:02d} min"
+
+
+class Progress:
+    """The library's `progress(done, total, label)` convention as a Streamlit bar: done/total, the
+    label, time so far and an estimate of the time left (elapsed x remaining / done, so it settles
+    as the steps come in). `Progress("Scoring")` where a bar belongs; pass it as `progress=`."""
+
+    def __init__(self, what: str, where=None):
+        self.what, self.t0 = what, time.monotonic()
+        self.bar = (where or st).progress(0.0, text=f"{what}: starting ...")
+
+    def __call__(self, done: int, total: int, label: str = "") -> None:
+        elapsed = time.monotonic() - self.t0
+        left = f", about {duration(elapsed * (total - done) / done)} left" if 0 < done < total else ""
+        self.bar.progress(min(max(done / total, 0.0), 1.0) if total else 0.0,
+                          text=f"{self.what}: {done:,} of {total:,}" + (f" ({label})" if label else "")
+                          + f", {duration(elapsed)} so far{left}")
+
+    def clear(self) -> None:
+        self.bar.empty()
 
 
 def prompt_ids(frame: Frame, tokens: int) -> torch.Tensor:

@@ -64,16 +64,23 @@ def text_windows(tokenizer, text: str, context: int, continuation: int, windows:
 
 
 @torch.inference_mode()
-def continuation_logprobs(model, ids: torch.Tensor, context: int, method: str, engine: str | None = None):
-    """Log-probabilities [W, C, V] (float32, CPU) of the continuation tokens' predictions."""
+def continuation_logprobs(model, ids: torch.Tensor, context: int, method: str, engine: str | None = None,
+                          progress=None):
+    """Log-probabilities [W, C, V] (float32, CPU) of the continuation tokens' predictions;
+    `progress(done, total, method)` after each of the C predictions."""
     cache = KittyCache(model, method, engine=engine)
     device = next(model.parameters()).device
     ids = ids.to(device)
     out = model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
     steps = [out.logits[:, -1].float().log_softmax(-1).cpu()]
+    total = ids.shape[1] - context
+    if progress:
+        progress(1, total, method)
     for j in range(context, ids.shape[1] - 1):
         out = model(input_ids=ids[:, j : j + 1], past_key_values=cache, use_cache=True)
         steps.append(out.logits[:, -1].float().log_softmax(-1).cpu())
+        if progress:
+            progress(len(steps), total, method)
     return torch.stack(steps, dim=1)
 
 
@@ -132,8 +139,31 @@ def boost_sweep(model, tokenizer, rates=(0.0, 0.125, 0.25, 0.5), rules=("magnitu
     grid = [f"{base}+boost_rate={r:g}+selection={rule}" for rule in rules for r in rates]
     df = evaluate(model, tokenizer, [*grid, *references], **kwargs)
     parsed = [parse_method(m) for m in df.method]
-    df["rule"] = [c.selection if m in grid else "preset" for m, c in zip(df.method, parsed)]
+    df["rule"] = [c.selection if m in grid else curve_rule(m) for m, c in zip(df.method, parsed)]
     return df
+
+
+def curve_rule(method: str) -> str:
+    """The selection rule whose boost-rate curve a method lies on, or "preset": 2-bit keys with
+    boosted channels, or a sweep's boost-0 point (its rule spelled out, `+selection=qk`), whose
+    curves all start there."""
+    c = parse_method(method)
+    on_curve = c.quantize and c.key_bits == 2 and (c.boost_rate > 0 or "selection=" in method)
+    return c.selection if on_curve else "preset"
+
+
+def rule_curves(df: pd.DataFrame) -> pd.DataFrame:
+    """The points of every rule's boost-rate curve (rows of `df` with a `rule` from `curve_rule`):
+    each rule's own points, plus the ends of the sweep it lacks, no channel or every channel boosted,
+    taken from another rule: there the rule selects nothing, so every rule's cache is the same."""
+    on = df[df["rule"] != "preset"]
+    rows = [on]
+    for rule in on["rule"].unique():
+        for end in (0.0, 1.0):
+            mine, any_rule = on[(on["rule"] == rule) & (on["boost_rate"] == end)], on[on["boost_rate"] == end]
+            if mine.empty and len(any_rule):
+                rows.append(any_rule.iloc[:1].assign(rule=rule))
+    return pd.concat(rows, ignore_index=True).sort_values(["rule", "boost_rate"], kind="stable")
 
 
 def _head_dim(model) -> int:

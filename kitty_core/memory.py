@@ -48,7 +48,9 @@ def layout_segments(config: KittyConfig, n_tokens: int) -> pd.DataFrame:
 
 def memory_table(shape: dict, methods, budget_gib: float = 80.0, context: int = 8192) -> pd.DataFrame:
     """Per method: bytes per token (whole model, with and without metadata), bits per element, the
-    longest single sequence and the largest batch at `context` tokens that fit `budget_gib` of KV."""
+    longest single sequence and the largest batch at `context` tokens that fit `budget_gib` of KV.
+    The longest sequence is capped at the model's context (`shape["context"]`, where it has one);
+    `max_context_budget` is what the budget alone would hold."""
     layers, heads, d = shape["layers"], shape["kv_heads"], shape["head_dim"]
     budget = budget_gib * 2**30
     rows = []
@@ -58,13 +60,15 @@ def memory_table(shape: dict, methods, budget_gib: float = 80.0, context: int = 
         per_token = (tb["payload"] + tb["metadata"]) * layers * heads
         fixed = fp16_bytes_per_sequence(c, d) * layers * heads
         per_sequence = fixed + context * per_token
+        longest = int(max(budget - fixed, 0) // per_token)
         rows.append({
             "method": m,
             "bits_per_element": c.bits_per_element(d),
             "bytes_per_token": per_token,
             "bytes_per_token_payload": tb["payload"] * layers * heads,
             "vs_fp16": 4 * d / (tb["payload"] + tb["metadata"]),
-            "max_context": int(max(budget - fixed, 0) // per_token),
+            "max_context": min(longest, shape["context"]) if shape.get("context") else longest,
+            "max_context_budget": longest,
             "max_batch": int(budget // per_sequence),
         })
     return pd.DataFrame(rows)

@@ -23,7 +23,7 @@ sens = cached_sensitivity(frame.model_key, frame.text, int(tokens), layer)
 
 group = sens[sens.kv_head == kv_head]
 fig = px.bar(group, x="channel", y="mse", color=group.q_head.astype(str), barmode="group",
-             labels={"color": "query head", "mse": "attention MSE"},
+             labels={"color": "query head", "mse": "MSE of attention probabilities", "channel": "key channel"},
              title=f"Layer {layer}, KV head {kv_head}: attention MSE when one channel is INT2")
 st.plotly_chart(fig, width="stretch")
 
@@ -34,8 +34,18 @@ scatter = group.groupby("channel", as_index=False)["mse"].sum()
 scatter["score"] = rule_scores(cap, layer, rule)[kv_head].cpu().numpy()
 row = agree[(agree.rule == rule) & (agree.kv_head == kv_head)].iloc[0]
 fig2 = px.scatter(scatter, x="score", y="mse", hover_data=["channel"], log_y=True,
-                  title=f"{rule} score vs measured sensitivity: Spearman {row.spearman:.2f}, "
-                        f"overlap@12.5% {row['overlap@0.125']:.2f}, overlap@25% {row['overlap@0.25']:.2f}")
+                  labels={"score": f"the {rule} rule's score", "mse": "measured MSE, summed over query heads"},
+                  title=f"The {rule} rule's score against measured sensitivity: Spearman {row.spearman:.2f}; of the "
+                        f"most sensitive 12.5% of channels it picks {row['overlap@0.125']:.0%}, of the top 25% "
+                        f"{row['overlap@0.25']:.0%}")
 st.plotly_chart(fig2, width="stretch")
-st.dataframe(agree.groupby("rule")[["spearman", "overlap@0.125", "overlap@0.25"]].mean(), width="stretch")
+st.markdown("**Every rule, averaged over layer {}'s KV heads**".format(layer))
+st.dataframe(agree.groupby("rule", as_index=False)[["spearman", "overlap@0.125", "overlap@0.25"]].mean(),
+             width="stretch", hide_index=True,
+             column_config={
+                 "rule": st.column_config.TextColumn("selection rule"),
+                 "spearman": st.column_config.NumberColumn("Spearman (score vs MSE)", format="%.2f"),
+                 "overlap@0.125": st.column_config.NumberColumn("picks of the top 12.5%", format="percent"),
+                 "overlap@0.25": st.column_config.NumberColumn("picks of the top 25%", format="percent"),
+             })
 st.download_button("Download sensitivity (CSV)", sens.to_csv(index=False), f"sensitivity_layer{layer}.csv", "text/csv")

@@ -5,7 +5,7 @@ import pandas as pd
 import plotly.express as px
 import streamlit as st
 
-from kitty_app import DATA, gpu_lock, sidebar
+from kitty_app import DATA, Progress, gpu_lock, sidebar
 from kitty_core import PRESETS
 from kitty_core.bench import e2e_table, real_table
 from kitty_core.results import ResultFileError, read_e2e, read_kernels
@@ -21,21 +21,56 @@ st.markdown(
 )
 
 
-def charts(points: pd.DataFrame, key: str) -> None:
+def ratio_columns(columns) -> dict:
+    """Column titles for e2e_table's ratio columns (`batch_vs_fp16-prealloc`, ...)."""
+    config = {}
+    for c in columns:
+        for prefix, words in (("batch_vs_", "largest batch vs "), ("tput_vs_", "tokens/s vs "),
+                              ("equal_batch_vs_", "tokens/s at the equal batch vs ")):
+            if c.startswith(prefix):
+                config[c] = st.column_config.NumberColumn(words + c.removeprefix(prefix), format="%.2fx")
+                break
+    return config
+
+
+E2E_COLUMNS = {
+    "cache": st.column_config.TextColumn("cache"),
+    "max_batch": st.column_config.NumberColumn("largest batch", format="%d"),
+    "peak_GiB": st.column_config.NumberColumn("peak memory (GiB)", format="%.2f"),
+    "kv_bytes_per_token": st.column_config.NumberColumn("KV bytes / token (all layers)", format="%.0f"),
+    "tokens_per_s_max_batch": st.column_config.NumberColumn("tokens/s at its largest batch", format="%.1f"),
+    "packing_ms_max_batch": st.column_config.NumberColumn("a packing step's extra (ms)", format="%.2f"),
+    "measured_at_batch": st.column_config.NumberColumn("timed at batch", format="%d"),
+    "equal_batch": st.column_config.NumberColumn("equal batch", format="%d"),
+    "tokens_per_s_equal_batch": st.column_config.NumberColumn("tokens/s at the equal batch", format="%.1f"),
+}
+
+
+def charts(points: pd.DataFrame, key: str, on_cpu: bool = False) -> None:
     table = e2e_table(points)
     if table.empty:
         st.info("No completed points yet.")
         return
     cols = st.columns(2)
-    fig = px.bar(table, x="cache", y="max_batch", text="max_batch", title="Largest batch that fits")
+    fig = px.bar(table, x="cache", y="max_batch", text="max_batch", title="Largest batch that fits",
+                 labels={"max_batch": "sequences in the batch", "cache": ""})
     cols[0].plotly_chart(fig, width="stretch", key=f"{key}-batch")
-    long = table.melt(id_vars="cache", value_vars=["tokens_per_s_max_batch", "tokens_per_s_equal_batch"],
-                      var_name="at", value_name="tokens/s")
-    long["at"] = long["at"].map({"tokens_per_s_max_batch": "at its max batch",
-                                 "tokens_per_s_equal_batch": f"at batch {int(table['equal_batch'].iloc[0])}"})
-    fig = px.bar(long, x="cache", y="tokens/s", color="at", barmode="group", title="Generation throughput")
+    # each bar says the batch it was timed at: the equal batch falls back to the max where it was not timed
+    long = pd.concat([
+        table.assign(at="at its largest batch", batch=table["measured_at_batch"], rate=table["tokens_per_s_max_batch"]),
+        table.assign(at="at one batch for all", batch=table["equal_batch"], rate=table["tokens_per_s_equal_batch"]),
+    ])
+    long["label"] = [f"batch {int(b)}" + (" (over its budget)" if b > m else "") if pd.notna(b) else ""
+                     for b, m in zip(long["batch"], long["max_batch"])]
+    fig = px.bar(long, x="cache", y="rate", color="at", barmode="group", text="label",
+                 labels={"rate": "tokens/s (generated, all sequences)", "cache": "", "at": ""},
+                 title="Generation throughput" + (" on this CPU (not the method's claim)" if on_cpu else ""))
     cols[1].plotly_chart(fig, width="stretch", key=f"{key}-tput")
-    st.dataframe(table, hide_index=True)
+    if on_cpu:
+        st.caption("Throughput on a CPU measures the reference engine (PyTorch operators, a dense working view), "
+                   "not the method: the claim is the GPU's, where the fused kernel reads the packed pages. See the "
+                   "saved GPU runs in the file list above.")
+    st.dataframe(table, hide_index=True, column_config={**E2E_COLUMNS, **ratio_columns(table.columns)})
     st.download_button("Download (CSV)", table.to_csv(index=False), f"{key}.csv", "text/csv", key=f"{key}-csv")
 
 
@@ -66,7 +101,7 @@ if saved:
     for part in s.get("runs", []):  # a file merged from several commands says which measured what
         measured = ", ".join(part["caches"]) or "real generations only (--validate)"
         st.caption(f"`{part['command']}`: {measured}" + (f" ({part['note']})" if part.get("note") else ""))
-    charts(pd.DataFrame(run["points"]), "saved")
+    charts(pd.DataFrame(run["points"]), "saved", on_cpu=str(s.get("device", "")).startswith("cpu"))
     for skip in run.get("skipped", []):
         st.caption(f"{skip['cache']}: not measured ({skip['reason']})")
     real = real_table(run.get("validation", []), pd.DataFrame(run["points"]))
@@ -80,7 +115,21 @@ if saved:
         fig = px.bar(bars, x="run", y="rate", color="timing", barmode="group", labels={"rate": "tokens/s", "run": ""},
                      title="Real generations against their estimates")
         st.plotly_chart(fig, width="stretch", key="saved-real")
-        st.dataframe(real, hide_index=True)
+        st.dataframe(real, hide_index=True, column_config={
+            "batch": st.column_config.NumberColumn("batch", format="%d"),
+            "at_max_batch": st.column_config.CheckboxColumn("at its largest batch"),
+            "prompt": st.column_config.NumberColumn("prompt tokens", format="%d"),
+            "generate": st.column_config.NumberColumn("generated tokens", format="%d"),
+            "prefill_chunk": st.column_config.NumberColumn("prefill chunk (tokens)", format="%d"),
+            "measured_s": st.column_config.NumberColumn("measured (s)", format="%.1f"),
+            "tokens_per_s": st.column_config.NumberColumn("tokens/s", format="%.0f"),
+            "estimated_s": st.column_config.NumberColumn("estimated (s)", format="%.1f"),
+            "estimate_error": st.column_config.NumberColumn("estimate's error", format="percent"),
+            "sm_clock_mhz": st.column_config.NumberColumn("SM clock (MHz)", format="%.0f"),
+            "power_w": st.column_config.NumberColumn("power (W)", format="%.0f"),
+            **{c: st.column_config.NumberColumn(f"tokens/s vs {c.removeprefix('tput_vs_')} at its largest batch",
+                                                format="%.2fx") for c in real if c.startswith("tput_vs_")},
+        })
         for r in real.to_dict("records"):
             ratios = [f"{x:.2f}x {c.removeprefix('tput_vs_')}'s at its max batch" for c, x in r.items()
                       if c.startswith("tput_vs_") and pd.notna(x) and c != f"tput_vs_{r['cache']}"]
@@ -121,11 +170,24 @@ if kernels is not None:
     long["attention"] = long["attention"].map({"fused_ms": "fused (packed pages)", "unfused_ms": "unfused qk/sv",
                                                "sdpa_fp16_ms": "SDPA on FP16"})
     fig = px.bar(long, x="shape", y="ms", color="attention", barmode="group",
+                 labels={"shape": "batch x cache length (tokens)", "ms": "GPU time per call (ms)", "attention": ""},
                  title=f"Decode attention on {k_settings['device']}: GPU time per call (Qwen3-8B heads)")
     st.plotly_chart(fig, width="stretch", key="kernels")
     shown = ["shape", "key_dots", "fused_ms", "unfused_ms", "sdpa_fp16_ms", "fused_vs_sdpa", "fused_vs_unfused",
              "fused_TBps", "sdpa_TBps", "copy_TBps", "fused_max_abs_err"]
-    st.dataframe(pick[[c for c in shown if c in pick]], hide_index=True)
+    st.dataframe(pick[[c for c in shown if c in pick]], hide_index=True, column_config={
+        "shape": st.column_config.TextColumn("batch x tokens"),
+        "key_dots": st.column_config.TextColumn("key dots"),
+        "fused_ms": st.column_config.NumberColumn("fused (ms)", format="%.3f"),
+        "unfused_ms": st.column_config.NumberColumn("unfused (ms)", format="%.3f"),
+        "sdpa_fp16_ms": st.column_config.NumberColumn("SDPA on FP16 (ms)", format="%.3f"),
+        "fused_vs_sdpa": st.column_config.NumberColumn("fused speed-up over SDPA", format="%.2fx"),
+        "fused_vs_unfused": st.column_config.NumberColumn("fused speed-up over unfused", format="%.2fx"),
+        "fused_TBps": st.column_config.NumberColumn("fused (TB/s)", format="%.2f"),
+        "sdpa_TBps": st.column_config.NumberColumn("SDPA (TB/s)", format="%.2f"),
+        "copy_TBps": st.column_config.NumberColumn("copy (TB/s)", format="%.2f"),
+        "fused_max_abs_err": st.column_config.NumberColumn("fused's largest error", format="%.1e"),
+    })
     st.caption("`python -m kitty_core.bench kernels` on one GPU: CUDA-graph replays, the same process for all three. "
                "TB/s: the bytes each one reads per second; copy: a device-to-device copy in the same run.")
 
@@ -133,18 +195,22 @@ st.subheader("Live sweep on the loaded model")
 on_gpu = frame.lm.device.type == "cuda"
 if not on_gpu:
     st.caption("No GPU: the sweep runs on the CPU with the reference engine, against a cache memory budget "
-               "instead of the GPU's memory. That engine keeps a dense FP16 working view beside the packed "
-               "pages (reported apart); the Triton engine on a GPU reads the pages directly.")
+               "instead of the GPU's memory. The budget counts what a GPU run holds, the tensors of the cache "
+               "itself (FP16 sink, buffers and window, packed pages, page tables); the reference engine also keeps "
+               "a dense FP16 working view of the history for its attention, which the Triton engine on a GPU does "
+               "not have: it is left out of the budget and reported apart (`working_view_bytes`). The FP16 parts "
+               "of a Kitty cache are a fixed few hundred tokens per sequence, so its pages pay off on long "
+               "sequences: the CPU default is 1,024 tokens.")
 options = list(BASELINES) + list(PRESETS)
 with st.form("sweep"):
     cols = st.columns(5)
     default = list(dict.fromkeys(["fp16-prealloc", "kivi-k2v2", frame.method.split("+")[0]]))
     caches = cols[0].multiselect("Caches", options, default=default)
     prompt = int(cols[1].number_input("Prompt tokens", 1, 1 << 20, 512 if on_gpu else 64, 64))
-    generate = int(cols[2].number_input("Generated tokens", 1, 1 << 20, 8192 if on_gpu else 192, 64))
+    generate = int(cols[2].number_input("Generated tokens", 1, 1 << 20, 8192 if on_gpu else 960, 64))
     budget = cols[3].number_input("Cache budget (GiB, 0 = until out of memory)", 0.0, 4096.0,
-                                  0.0 if on_gpu else 0.03, 0.01, format="%.2f")
-    equal = int(cols[4].number_input("Equal batch for all", 1, 1 << 14, 64 if on_gpu else 4))
+                                  0.0 if on_gpu else 0.1, 0.01, format="%.2f")
+    equal = int(cols[4].number_input("Equal batch for all", 1, 1 << 14, 64 if on_gpu else 2))
     go = st.form_submit_button("Run sweep", type="primary")
 
 if go:
@@ -155,9 +221,12 @@ if go:
     if not caches:
         st.error("Pick at least one cache.")
         st.stop()
-    st.session_state.sweep_run = {"probes": [], "points": [], "skipped": [], "done": False}
+    st.session_state.sweep_run = {"probes": [], "points": [], "skipped": [], "done": False, "on_cpu": not on_gpu}
     state = st.session_state.sweep_run
     st.button("Stop", help="Stops the sweep after the current step; the points so far stay.")
+    # three stages a cache: the max-batch search, its timing at the max batch, at the equal batch
+    stages, done = 3 * len(caches), 0
+    bar = Progress("Sweep stages done")
     status = st.status("Sweeping ...", expanded=True)
     live = st.empty()
     with gpu_lock():
@@ -169,20 +238,29 @@ if go:
                 if what == "probe":
                     status.write(f"{row['cache']} at batch {row['batch']}: "
                                  + ("fits" if row["fits"] else row.get("reason", "does not fit")))
+                    bar(done, stages, f"{row['cache']}: batch {row['batch']} probed")
                 elif what == "skip":
                     status.write(f"{row['cache']}: skipped ({row['reason']})")
+                    done += 3
+                    bar(done, stages, f"{row['cache']} skipped")
                 else:
                     status.write(f"{row['cache']}: {row.get('tokens_per_s', 0):.1f} tokens/s at batch {row['batch']}")
+                    if row["at"] == "max batch":
+                        done += 1  # its search ended
+                    # a cache whose max batch is the equal batch is timed once
+                    done += 1 if row["at"] == "equal batch" or row["max_batch"] != equal else 2
+                    bar(done, stages, f"{row['cache']} timed at batch {row['batch']}")
                     with live.container():
-                        charts(pd.DataFrame(state["points"]), f"live{len(state['points'])}")
+                        charts(pd.DataFrame(state["points"]), f"live{len(state['points'])}", on_cpu=not on_gpu)
         except ValueError as err:
             st.error(str(err))
+    bar.clear()
     state["done"] = True
     status.update(label="Sweep done", state="complete", expanded=False)
 elif "sweep_run" in st.session_state:
     state = st.session_state.sweep_run
     if not state["done"]:
         st.warning("The last sweep was stopped; these are the points it finished.")
-    charts(pd.DataFrame(state["points"]), "live")
+    charts(pd.DataFrame(state["points"]), "live", on_cpu=state.get("on_cpu", False))
     for skip in state["skipped"]:
         st.caption(f"{skip['cache']}: not measured ({skip['reason']})")

@@ -44,6 +44,8 @@ def test_overview_memory_table_and_layout():
     at = run("app.py")
     table = at.dataframe[0].value.set_index("method")
     assert len(table) == 8 and table.loc["kitty", "vs_fp16"] > table.loc["kitty-pro", "vs_fp16"] > 4
+    # 80 GiB hold millions of tokens; the longest sequence is the model's context of 8,192
+    assert (table["max_context"] == 8192).all() and (table["max_context_budget"] > 8192).all()
     # D=64, 16 boosted: planes 16 + 4 + 16, scales 2 + 4, boost index 16/128 -> 42.125 bytes against 4D
     assert table.loc["kitty-pro", "vs_fp16"] == pytest.approx(256 / 42.125)
     layout = chart(at)
@@ -66,17 +68,62 @@ def test_bad_inputs_show_errors_not_exceptions():
     assert not at.exception and "empty" in at.warning[0].value
 
 
-def test_generations_page_marks_divergence_and_rejects_an_empty_prompt():
+def test_generations_page_opens_on_a_saved_long_context_run():
+    from kitty_core.generate import read_generations
+
     at = run("pages/4_Generations.py")
-    assert any("FP16" in c.value for c in at.caption)
+    settings, texts, kl = read_generations(ROOT / "data/results/generations_demo_cpu.json")
+    assert settings["tokens"] >= 2000 and any("saved run" in c.value for c in at.caption)
+    # each method's text with its departure, and pages packed meanwhile: most of the context is in them
+    for r in texts[texts.method != "fp16"].itertuples():
+        assert any(f"departs from FP16 after {int(r.first_divergence)} tokens" in c.value for c in at.caption)
+        assert r.keys_in_2bit_pages > 0.9 and r.values_in_2bit_pages > 0.9
+    summary = at.dataframe[0].value.set_index("method")
+    assert list(summary.index) == settings["methods"]
+    assert summary["mean_kl"].to_dict() == pytest.approx(kl.groupby("method")["kl"].mean().to_dict())
+    lines = chart(at)
+    assert {t["name"] for t in lines["data"]} == set(settings["methods"])
+    assert all(len(numbers(t["y"])) == len(kl) // len(settings["methods"]) for t in lines["data"])
+    assert "generated token" in json.dumps(lines["layout"]["xaxis"]["title"])
+
+
+def test_generations_page_runs_a_short_prompt_and_rejects_bad_ones():
+    at = run("pages/4_Generations.py")
+    at.radio(key="prompt_kind").set_value("Short prompt").run()
+    at.number_input[0].set_value(6).run()
+    at.button[0].click().run()
+    assert not at.exception, at.exception
+    assert any("run here" in c.value for c in at.caption)
+    assert {t["name"] for t in chart(at)["data"]} == {"kivi-k2v2", "kitty-pro"}
     at.text_area[0].set_value("   ").run()
     assert not at.exception and "empty" in at.error[0].value
+    at = run("pages/4_Generations.py")
+    at.sidebar.radio[0].set_value("My text").run()
+    at.sidebar.text_area[0].set_value("In the beginning.").run()
+    assert not at.exception and "were asked for" in at.error[0].value
 
 
-def test_boost_rate_page_plots_saved_results_per_rule():
+def test_boost_rate_page_draws_a_curve_per_rule_from_0_to_1():
     at = run("pages/3_Boost_rate.py")
-    names = {t.get("name") for t in chart(at)["data"]}
-    assert {"magnitude", "qk", "random", "range", "presets"} <= names
+    assert at.selectbox[0].value == "rules_demo_cpu.json"
+    spec = chart(at)
+    curves = {t["name"]: t for t in spec["data"] if t.get("mode") == "lines+markers"}
+    assert set(curves) == {"magnitude", "qk", "range", "random"}
+    for trace in curves.values():
+        x = numbers(trace["x"])
+        assert len(x) >= 6 and min(x) == 0 and max(x) == 1 and x == sorted(x)
+    kl = numbers(curves["magnitude"]["y"])
+    assert kl[0] > 3 * kl[-1]  # boosting key channels brings the cache toward FP16
+    assert spec["layout"]["xaxis"]["range"] == [-0.04, 1.04] and spec["layout"]["xaxis"]["tickformat"] == ".0%"
+    assert "presets" in {t.get("name") for t in spec["data"]}
+
+
+def test_boost_rate_live_sweep_needs_a_rule():
+    at = run("pages/3_Boost_rate.py")
+    at.radio(key="results_source").set_value("run on the loaded model").run()
+    at.multiselect[0].set_value([]).run()  # no rule
+    at.button[0].click().run()
+    assert not at.exception and "at least one rule" in at.error[0].value
 
 
 def test_memory_page_charts_saved_runs_and_sweeps_live():
@@ -134,14 +181,56 @@ def test_memory_page_charts_saved_runs_and_sweeps_live():
         assert numbers(fused_bars["y"]) == fused("fp16")
     at.multiselect[0].set_value(["fp16-prealloc", "kitty-pro"])
     at.number_input[1].set_value(64)  # generated tokens: a short sweep
+    at.number_input[2].set_value(0.03)  # GiB: a few sequences
     at.button[0].click().run()
     assert not at.exception, at.exception
     live = at.session_state["sweep_run"]
     assert live["done"] and {p["cache"] for p in live["points"]} == {"fp16-prealloc", "kitty-pro"}
     assert any(not p["fits"] for p in live["probes"])  # the budget ended every doubling
+    # each throughput bar names the batch it was timed at
+    tput = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    tput = [c for c in tput if "Generation throughput" in json.dumps(c["layout"])][-1]
+    assert "not the method's claim" in json.dumps(tput["layout"]["title"])
+    timed = {(p["cache"], p["at"]): p["batch"] for p in live["points"]}
+    for trace in tput["data"]:
+        at_what = "max batch" if "largest" in trace["name"] else "equal batch"
+        for cache, text in zip(trace["x"], trace["text"]):
+            assert text.startswith(f"batch {timed.get((cache, at_what), timed[(cache, 'max batch')])}")
     at.number_input[0].set_value(100_000)  # a prompt beyond the context
     at.button[0].click().run()
     assert not at.exception and "context" in at.error[0].value
+
+
+def test_saved_cpu_sweep_gives_kitty_pro_the_larger_batch():
+    """The saved CPU run the live sweep's defaults reproduce: on 1,024-token sequences the pages pay for
+    the fixed FP16 parts, within the same budget."""
+    run_file = json.loads((ROOT / "data/results/e2e_demo_cpu.json").read_text())
+    s = run_file["settings"]
+    assert s["device"] == "cpu" and s["prompt"] + s["generate"] >= 1024
+    at = run("pages/5_Memory_and_throughput.py")
+    at.selectbox[0].set_value(ROOT / "data/results/e2e_demo_cpu.json").run()
+    table = at.dataframe[0].value.set_index("cache")
+    assert table.loc["kitty-pro", "max_batch"] > table.loc["fp16-prealloc", "max_batch"]
+    assert table.loc["kitty-pro", "kv_bytes_per_token"] < table.loc["fp16-prealloc", "kv_bytes_per_token"] / 2
+    assert any("not the method" in c.value for c in at.caption)
+
+
+def test_progress_reports_counts_and_time_left():
+    def script():
+        from kitty_app import Progress
+
+        bar = Progress("Steps")
+        bar(1, 4, "first")
+
+    at = AppTest.from_function(script).run()
+    text = at.get("progress")[0].proto.text
+    assert "1 of 4 (first)" in text and "left" in text
+
+
+def test_duration_reads_as_minutes_and_hours():
+    from kitty_app import duration
+
+    assert (duration(12.4), duration(185), duration(3725)) == ("12 s", "3 min 05 s", "1 h 02 min")
 
 
 def test_memory_page_skips_unreadable_files_and_shows_a_validations_clock(tmp_path, monkeypatch):
@@ -188,6 +277,7 @@ def test_pages_skip_malformed_result_files(tmp_path, monkeypatch):
     (res / "kernels_h200.json").write_text('{"settings": {"device": "H200"}, "results": [{"batch": 1')
     (res / "accuracy_broken.json").write_text('{"results": [{"method": "kitty-pro"}]}')
     (res / "passkey_demo_cpu.csv").write_text('method,length\n"unterminated')
+    (res / "generations_demo_cpu.json").write_text('{"settings": {}, "texts": [{"method": "fp16"}], "kl": []}')
     monkeypatch.setattr(kitty_app, "DATA", tmp_path)
     warned = lambda at: " ".join(w.value for w in at.warning)  # noqa: E731
     memory = run("pages/5_Memory_and_throughput.py")
@@ -197,3 +287,4 @@ def test_pages_skip_malformed_result_files(tmp_path, monkeypatch):
     assert "accuracy_broken.json: its results lack the columns kl, perplexity, top1, bits_per_element" in warned(boost)
     generations = run("pages/4_Generations.py")
     assert "passkey_demo_cpu.csv" in warned(generations)
+    assert "generations_demo_cpu.json: its texts lack text, tokens, first_divergence" in warned(generations)

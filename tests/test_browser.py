@@ -1,9 +1,11 @@
 """End to end in a real browser: `streamlit run app.py`, Debian's chromium driven by Playwright visits
-every page, does one thing on it, and finds no exception on screen."""
+every page, does one thing on it, and finds no exception on screen.
+
+After an action the test waits for the server to say that the script it started has finished (a
+`script_finished` message on the page's websocket), then for the page to settle: no fixed sleeps."""
 
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -41,39 +43,61 @@ def _no_exception(page, name: str) -> None:
     assert page.locator('[data-testid="stException"]').count() == 0, f"{name}: an exception is on screen"
 
 
-def _set_number(page, label: str, value: int) -> None:
+def _set_number(page, label: str, value) -> None:
     box = page.get_by_label(label, exact=True)
     box.fill(str(value))
     box.press("Enter")
 
 
-ACTIONS = [
-    ("overview", lambda p: _set_number(p, "KV memory budget (GiB)", 40)),
-    ("key_statistics", lambda p: _set_number(p, "Layer", 3)),
-    ("sensitivity", lambda p: _set_number(p, "KV head", 1)),
-    ("boost_rate", lambda p: p.get_by_role("radiogroup", name="Metric").get_by_text("perplexity").click()),
-    ("generations", lambda p: _set_number(p, "New tokens", 8)),
-    ("memory_and_throughput", lambda p: _run_sweep(p)),
-]
-PAGES = [(path, name, action) for path, (name, action) in zip(PAGE_PATHS, ACTIONS)]
+def _script_finished(payload) -> bool:
+    """Is this websocket frame the server's message that a script run ended (not one cut short by a rerun)?"""
+    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+
+    if isinstance(payload, str):
+        return False
+    msg = ForwardMsg()
+    try:
+        msg.ParseFromString(payload)
+    except Exception:  # noqa: BLE001 - not a ForwardMsg
+        return False
+    return msg.WhichOneof("type") == "script_finished" and msg.script_finished != ForwardMsg.FINISHED_EARLY_FOR_RERUN
 
 
 def _run_sweep(page) -> None:
-    page.get_by_label("Generated tokens", exact=True).fill("64")
+    page.get_by_label("Generated tokens", exact=True).fill("64")  # in a form: no rerun until the button
+    page.get_by_label("Cache budget (GiB, 0 = until out of memory)", exact=True).fill("0.03")
     page.get_by_role("button", name="Run sweep").click()
+
+
+# per page, the steps of one thing a user does there; each step starts one script run
+ACTIONS = [
+    ("overview", [lambda p: _set_number(p, "KV memory budget (GiB)", 40)]),
+    ("key_statistics", [lambda p: _set_number(p, "Layer", 3)]),
+    ("sensitivity", [lambda p: _set_number(p, "KV head", 1)]),
+    ("boost_rate", [lambda p: p.get_by_role("radiogroup", name="Metric").get_by_text("perplexity").click()]),
+    ("generations", [lambda p: p.get_by_role("radiogroup", name="Prompt").get_by_text("Short prompt").click(),
+                     lambda p: _set_number(p, "New tokens", 8),
+                     lambda p: p.get_by_role("button", name="Run on the loaded model").first.click()]),
+    ("memory_and_throughput", [_run_sweep]),
+]
+PAGES = [(path, name, action) for path, (name, action) in zip(PAGE_PATHS, ACTIONS)]
 
 
 @pytest.mark.parametrize("path, name, action", PAGES, ids=[p[1] for p in PAGES])
 def test_page_in_chromium(server, browser, path, name, action):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    sockets = []
+    page.on("websocket", lambda ws: sockets.append(ws))
     page.goto(f"{server}/{path}")
     page.wait_for_selector(".js-plotly-plot", timeout=240_000)  # every page draws a chart from real data
     settle(page)
     _no_exception(page, name)
     nav = page.locator('[data-testid="stSidebarNav"]').inner_text()
     assert "Overview" in nav and "Memory and throughput" in nav, nav
-    action(page)
-    time.sleep(0.5)
-    settle(page)
+    stream = next(ws for ws in sockets if ws.url.endswith("/_stcore/stream"))
+    for step in action:
+        with stream.expect_event("framereceived", predicate=_script_finished, timeout=600_000):
+            step(page)
+        settle(page)
     _no_exception(page, f"{name}-after")
     page.close()
