@@ -1,4 +1,4 @@
-"""Kitty Lab: `streamlit run app.py`. The entry point names the six pages; each page draws the shared
+"""Kitty Lab: `streamlit run app.py`. The entry point names the seven pages; each page draws the shared
 sidebar (model, method, boost rate) itself, from `kitty_app`."""
 
 import streamlit as st
@@ -10,6 +10,7 @@ PAGES = [
     ("pages/3_Boost_rate.py", "Boost rate", ":material/tune:"),
     ("pages/4_Generations.py", "Generations", ":material/chat:"),
     ("pages/5_Memory_and_throughput.py", "Memory and throughput", ":material/speed:"),
+    ("pages/6_Where_the_error_comes_from.py", "Where the error comes from", ":material/troubleshoot:"),
 ]
 
 st.navigation([st.Page(path, title=title, icon=icon, default=i == 0)

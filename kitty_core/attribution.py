@@ -26,7 +26,6 @@ writes settings.json, layer_kl.csv, head_error.csv, attention_map.csv, parts.csv
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -361,12 +360,12 @@ def read_saved(folder: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    from .cli import count
+    from .cli import count, parser
+    from .texts import shipped_path
 
-    p = argparse.ArgumentParser(prog="python -m kitty_core.attribution", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = parser("kitty_core.attribution", __doc__.split("\n\n")[0])
     p.add_argument("--model", default="demo", help="demo | hub id | local directory | file.gguf")
-    p.add_argument("--text", type=Path, default=DATA / "genesis_kjv.txt", help="a plain-text file; its first tokens")
+    p.add_argument("--text", type=Path, default=shipped_path(), help="a plain-text file; its first tokens")
     p.add_argument("--context", type=count(1), default=1024, help="tokens in the cache")
     p.add_argument("--continuation", type=count(1), default=32, help="tokens scored after them")
     p.add_argument("--methods", default="kitty-pro,kivi-k2v2", help="comma-separated methods")

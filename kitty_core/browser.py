@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # the six pages: URL path (st.Page derives it from the file name in app.py), title in the navigation
 PAGES = [("", "Overview"), ("Key_statistics", "Key statistics"), ("Sensitivity", "Sensitivity"),
          ("Boost_rate", "Boost rate"), ("Generations", "Generations"),
-         ("Memory_and_throughput", "Memory and throughput")]
+         ("Memory_and_throughput", "Memory and throughput"), ("Where_the_error_comes_from", "Where the error comes from")]
 PAGE_PATHS = [path for path, _ in PAGES]
 
 

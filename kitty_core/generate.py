@@ -11,21 +11,40 @@ reads a saved run:
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import pandas as pd
-import torch
-from transformers.generation.streamers import BaseStreamer
+from .cli import count, parser, progress_bar, writable
+from .texts import shipped_path
 
-from .cache import KittyCache
-from .config import parse_method
-from .evaluate import DEFAULT_TEXT, continuation_logprobs
-from .memory import layout_segments
-from .results import ResultFileError
+
+def arguments():
+    p = parser("kitty_core.generate", __doc__.split("\n\n")[0])
+    p.add_argument("--model", default="demo", help="demo | hub id | local directory | file.gguf")
+    p.add_argument("--text", type=Path, default=shipped_path(), help="the text whose first tokens are the context")
+    p.add_argument("--tokens", type=count(1), default=2048, help="context tokens taken from the text")
+    p.add_argument("--new-tokens", type=count(1), default=64, help="tokens each method generates")
+    p.add_argument("--methods", default="kivi-k2v2,kitty-pro", help="compared with fp16, comma-separated")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16")
+    p.add_argument("--json", type=Path, default=None, help="write {settings, texts, kl} here")
+    return p
+
+
+if __name__ == "__main__":
+    arguments().parse_args()  # --help and usage errors answer here, before the imports below load torch
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
+
+from .cache import KittyCache  # noqa: E402
+from .config import parse_method  # noqa: E402
+from .evaluate import continuation_logprobs  # noqa: E402
+from .memory import layout_segments  # noqa: E402
+from .results import ResultFileError  # noqa: E402
 
 
 class _TextCallback(BaseStreamer):
@@ -157,19 +176,9 @@ def read_generations(path: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
 
 
 def main(argv=None) -> int:
-    from .cli import count, writable
     from .models import ModelLoadError, load_model
 
-    p = argparse.ArgumentParser(prog="python -m kitty_core.generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="demo", help="demo | hub id | local directory | file.gguf")
-    p.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="the text whose first tokens are the context")
-    p.add_argument("--tokens", type=count(1), default=2048, help="context tokens taken from the text")
-    p.add_argument("--new-tokens", type=count(1), default=64)
-    p.add_argument("--methods", default="kivi-k2v2,kitty-pro", help="compared with fp16, comma-separated")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--json", type=Path, default=None, help="write {settings, texts, kl} here")
-    a = p.parse_args(argv)
+    a = arguments().parse_args(argv)
     try:
         methods = [m.strip() for m in a.methods.split(",") if m.strip()]
         for m in methods:
@@ -178,8 +187,8 @@ def main(argv=None) -> int:
             writable(a.json)
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
         prompt = long_context(lm.tokenizer, a.text.read_text(), a.tokens)
-        texts, kl = compare_generations(lm.model, lm.tokenizer, prompt, methods, a.new_tokens,
-                                        progress=lambda i, n, s: print(f"[{i}/{n}] {s}", file=sys.stderr, flush=True))
+        with progress_bar("generations", "method") as progress:
+            texts, kl = compare_generations(lm.model, lm.tokenizer, prompt, methods, a.new_tokens, progress=progress)
     except (ValueError, ModelLoadError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -79,6 +79,8 @@ ACTIONS = [
                      lambda p: _set_number(p, "New tokens", 8),
                      lambda p: p.get_by_role("button", name="Run on the loaded model").first.click()]),
     ("memory_and_throughput", [_run_sweep]),
+    ("where_the_error_comes_from", [lambda p: p.get_by_role("radiogroup", name="Attention error")
+                                    .get_by_text("attention output error (relative, %)").click()]),
 ]
 PAGES = [(path, name, action) for path, (name, action) in zip(PAGE_PATHS, ACTIONS)]
 
