@@ -31,6 +31,7 @@ model with its `tokenizer`.
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,11 @@ NOT_HERE = ("backend", "revision", "subfolder", "parallelize", "max_memory_per_g
 
 class KittyLMError(ValueError):
     """Bad `model_args` for the kitty model; the message names the argument and what to pass."""
+
+
+def _instance_notes(record: logging.LogRecord) -> bool:
+    text = record.getMessage()
+    return not (text.startswith("`pretrained` model kwarg is not of type") or text.startswith("Passed an already-initialized"))
 
 
 @register_model("kitty")
@@ -86,7 +92,12 @@ class KittyLM(HFLM):
         model, tok, name = self._load(pretrained, tokenizer, device, dtype, trust_remote_code)
         self.model_name = name
         self.last_cache_report = None  # what the last call's cache held: {call, method, held_tokens, bytes}
-        super().__init__(pretrained=model, tokenizer=tok, **kwargs)
+        hf_log = logging.getLogger("lm_eval.models.huggingface")
+        hf_log.addFilter(_instance_notes)  # HFLM's notes on a model passed as an object: this class always does
+        try:
+            super().__init__(pretrained=model, tokenizer=tok, **kwargs)
+        finally:
+            hf_log.removeFilter(_instance_notes)
 
     @staticmethod
     def _load(pretrained, tokenizer, device, dtype, trust_remote_code):
@@ -97,6 +108,9 @@ class KittyLM(HFLM):
             if tokenizer is None or isinstance(tokenizer, str):
                 raise KittyLMError("a model instance as pretrained needs its tokenizer object as tokenizer=")
             return pretrained, tokenizer, getattr(pretrained, "name_or_path", type(pretrained).__name__)
+        if str(pretrained).startswith("random:") and tokenizer is None:
+            raise KittyLMError(f"model_args pretrained={pretrained!r} has random weights and no tokenizer: add "
+                               "tokenizer=demo (or a hub id) to the model_args")
         try:
             lm = load_model(str(pretrained), device=device, dtype=dtype, trust_remote_code=trust_remote_code)
             if isinstance(tokenizer, str):
