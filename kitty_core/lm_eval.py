@@ -108,7 +108,7 @@ def run(lm, methods, tasks, lengths=(1024, 2048, 4096, 8192), samples: int = 50,
     include = None
     if suite:
         include, _ = write_suite(lm.tokenizer, tasks_dir, kinds, lengths, samples, seed,
-                                 progress=lambda i, n, s: progress and progress(0, len(methods), f"writing {s}"))
+                                 progress=(lambda i, n, s: progress(i, n, f"writing {s}")) if progress else None)
     manager = TaskManager(include_path=str(include) if include else None, include_defaults=bool(other))
     unknown = [t for t in other if t not in manager.all_tasks]
     if unknown:

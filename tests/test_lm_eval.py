@@ -166,7 +166,7 @@ def test_suite_tasks_score_like_lm_evals_hf_model(tiny, tmp_path):
         assert hf["results"][name] == fp16["results"][name]
         # lm-eval's prompt is the sample's input, a space and its answer prefix
         doc = json.loads((folder / f"{name}.jsonl").read_text().splitlines()[0])
-        assert fp16["samples"][name][0]["arguments"]["gen_args_0"]["arg_0"] == f"{doc['input']} {doc['gen_prefix']}"
+        assert fp16["samples"][name][0]["arguments"][0][0] == f"{doc['input']} {doc['gen_prefix']}"
     pro = run(kitty(tiny, "kitty-pro"))
     assert set(pro["results"]) == set(names) and pro["n-samples"][names[0]]["effective"] == 2
 
