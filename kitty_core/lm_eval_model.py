@@ -102,30 +102,31 @@ class KittyLM(HFLM):
     @staticmethod
     def _load(pretrained, tokenizer, device, dtype, trust_remote_code):
         """(model, tokenizer, name) from a model name, a LoadedModel, or a model instance with its tokenizer."""
-        if isinstance(pretrained, LoadedModel):
-            return pretrained.model, tokenizer or pretrained.tokenizer, pretrained.name
-        if isinstance(pretrained, torch.nn.Module):
-            if tokenizer is None or isinstance(tokenizer, str):
-                raise KittyLMError("a model instance as pretrained needs its tokenizer object as tokenizer=")
-            return pretrained, tokenizer, getattr(pretrained, "name_or_path", type(pretrained).__name__)
-        if str(pretrained).startswith("random:") and tokenizer is None:
+        from .lm_eval_tasks import load_tokenizer
+
+        if isinstance(pretrained, torch.nn.Module) and tokenizer is None:
+            raise KittyLMError("a model instance as pretrained needs its tokenizer as tokenizer=")
+        if isinstance(pretrained, str) and pretrained.startswith("random:") and tokenizer is None:
             raise KittyLMError(f"model_args pretrained={pretrained!r} has random weights and no tokenizer: add "
                                "tokenizer=demo (or a hub id) to the model_args")
-        try:
-            lm = load_model(str(pretrained), device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-            if isinstance(tokenizer, str):
-                from .lm_eval_tasks import load_tokenizer
-
+        if isinstance(tokenizer, str):
+            try:
                 tokenizer = load_tokenizer(tokenizer)
+            except ModelLoadError as err:
+                raise KittyLMError(f"model_args tokenizer={tokenizer!r}: {err}") from None
+        try:
+            if isinstance(pretrained, LoadedModel):
+                model, tok, name = pretrained.model, tokenizer or pretrained.tokenizer, pretrained.name
+            elif isinstance(pretrained, torch.nn.Module):
+                model, tok, name = pretrained, tokenizer, getattr(pretrained, "name_or_path", type(pretrained).__name__)
+            else:
+                lm = load_model(str(pretrained), device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+                model, tok, name = lm.model, tokenizer or lm.tokenizer, str(pretrained)
         except ModelLoadError as err:
             raise KittyLMError(f"model_args pretrained={pretrained!r}: {err}") from None
-        tok = tokenizer or lm.tokenizer
-        if tok is None:
-            raise KittyLMError(f"model_args pretrained={pretrained!r} has random weights and no tokenizer: add "
-                               "tokenizer=demo (or a hub id) to the model_args")
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
-        return lm.model, tok, str(pretrained)
+        return model, tok, name
 
     # -- the cache -------------------------------------------------------------------------------
     def new_cache(self, max_length: int | None = None) -> KittyCache:

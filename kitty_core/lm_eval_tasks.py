@@ -310,7 +310,7 @@ def write_suite(tokenizer, out: Path | None = None, kinds=KINDS, lengths=DEFAULT
                 seed: int = 0, progress=None) -> tuple[Path, list[str]]:
     """Write the suite's files for this tokenizer into `out` (default: under KITTY_CACHE_DIR, one folder
     per tokenizer); (the folder, the task names). A file already there from the same settings is kept."""
-    kinds = [k for k in kinds]
+    kinds = list(kinds)
     for k in kinds:
         if k not in KINDS:
             raise ValueError(f"unknown kind {k!r}; choose among {', '.join(KINDS)}")
@@ -331,13 +331,16 @@ def write_suite(tokenizer, out: Path | None = None, kinds=KINDS, lengths=DEFAULT
         names.append(name)
         data = out / f"{name}.jsonl"
         want = {"samples": samples, "seed": seed}
+        yaml = _task_yaml(kind, length, data, seed)  # always: it names the data by absolute path
+        if (out / f"{name}.yaml").is_file() and (out / f"{name}.yaml").read_text() != yaml:
+            write_text(out / f"{name}.yaml", yaml)
         if made.get(name) == want and data.is_file() and (out / f"{name}.yaml").is_file():
             continue
         if progress:
             progress(i, len(jobs), name)
         docs = generate(tokenizer, kind, length, samples, seed)
         write_text(data, "".join(json.dumps(d) + "\n" for d in docs))
-        write_text(out / f"{name}.yaml", _task_yaml(kind, length, data, seed))
+        write_text(out / f"{name}.yaml", yaml)
         made[name] = want
         write_text(manifest, json.dumps({"version": VERSION, "tokenizer": tokenizer_id(tokenizer),
                                          "tokenizer_name": getattr(tokenizer, "name_or_path", ""),
