@@ -12,7 +12,8 @@ method, FP16 first.
 The file (JSON): {"settings": {...the command's settings, lm_eval's version}, "results": [row, ...]},
 one row per task, metric and method: task (lm-eval's name), kind and length (suite tasks; null
 otherwise), metric (lm-eval's key, e.g. "recall" or "exact_match,strict-match"), method, score,
-stderr, samples (scored), fp16 (FP16's score), diff (score - fp16). `read_table` reads it back.
+stderr, samples (scored), fp16 (FP16's score), diff (score - fp16), seconds (the method's whole lm-eval
+run). `read_table` reads it back.
 """
 
 from __future__ import annotations
@@ -76,10 +77,11 @@ def against_fp16(rows: list[dict]):
     """The rows as a DataFrame with FP16's score of the same task and metric, and the difference."""
     import pandas as pd
 
-    df = pd.DataFrame(rows, columns=[c for c in COLUMNS if c not in ("fp16", "diff")])
+    df = pd.DataFrame(rows)
+    df = df.reindex(columns=[c for c in COLUMNS if c not in ("fp16", "diff")] + [c for c in df if c not in COLUMNS])
     ref = df[df.method == "fp16"].set_index(["task", "metric"]).score
-    df["fp16"] = [ref.get((t, m)) for t, m in zip(df.task, df.metric)]
-    df["diff"] = df.score - df.fp16
+    df.insert(df.columns.get_loc("samples") + 1, "fp16", [ref.get((t, m)) for t, m in zip(df.task, df.metric)])
+    df.insert(df.columns.get_loc("fp16") + 1, "diff", df.score - df.fp16)
     return df
 
 
