@@ -182,7 +182,7 @@ def test_cli_writes_the_table(demo, tmp_path, capsys):
     assert set(df.method) == {"fp16", "kivi-k2v2"} and set(df.metric) == {"exact_match"}
     row = df[df.method == "kivi-k2v2"].iloc[0]
     assert row.task == "kitty_passkey_300" and row.kind == "passkey" and row.length == 300 and row.samples == 1
-    assert row["diff"] == pytest.approx(row.score - row.fp16)
+    assert row["diff"] == pytest.approx(row.score - row.fp16) and row.seconds > 0
     assert "kivi-k2v2 - fp16" in summary(df).columns and "kitty_passkey_300" in capsys.readouterr().out
 
 
