@@ -34,7 +34,6 @@ Written into one folder (`write_suite`; `python -m kitty_core.lm_eval_tasks --ou
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -47,11 +46,10 @@ from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
-from .cli import count, writable, write_text
-from .models import cache_dir
-from .passkey import QUESTION, passkey_prompt
+from .cli import count, parser, progress_bar, writable, write_text
+from .texts import shipped_path
 
-HAYSTACK = Path(__file__).resolve().parent.parent / "data" / "genesis_kjv.txt"
+HAYSTACK = shipped_path()  # Genesis (KJV), public domain: kitty_core.texts says where it is looked up
 KINDS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe", "passkey")
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 VERSION = 1  # of the generator: part of suite.json, so that a changed generator writes new files
@@ -223,6 +221,8 @@ def _cwe(count, rng, target, common: int = 10):
 
 
 def _passkey(count, rng, target, depth: float):
+    from .passkey import QUESTION, passkey_prompt
+
     key = str(rng.randrange(10000, 100000))
     head, _, prefix = QUESTION.rpartition("? ")  # the answer prefix of the passkey prompt: "The pass key is"
     aim = target
@@ -303,6 +303,8 @@ def tokenizer_id(tokenizer) -> str:
 
 
 def default_dir(tokenizer) -> Path:
+    from .models import cache_dir
+
     return cache_dir() / "lm_eval_tasks" / tokenizer_id(tokenizer)
 
 
@@ -367,23 +369,22 @@ def load_tokenizer(name: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kitty_core.lm_eval_tasks", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = parser("kitty_core.lm_eval_tasks", __doc__.split("\n\n")[0])
     p.add_argument("--tokenizer", default="demo", help="the model's tokenizer: demo | hub id | local directory | file.gguf")
     p.add_argument("--out", type=Path, default=None, help="task folder (default: one per tokenizer under KITTY_CACHE_DIR)")
-    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--kinds", default=",".join(KINDS), help="task kinds, comma-separated")
     p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="tokens, prompt and generation")
     p.add_argument("--samples", type=count(1), default=50, help="per kind and length")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the samples' seed")
     a = p.parse_args(argv)
     from .models import ModelLoadError
 
     try:
         lengths = [int(x) for x in a.lengths.split(",") if x.strip()]
         tok = load_tokenizer(a.tokenizer)
-        out, names = write_suite(tok, a.out, [k.strip() for k in a.kinds.split(",") if k.strip()], lengths,
-                                 a.samples, a.seed,
-                                 progress=lambda i, n, s: print(f"[{i + 1}/{n}] {s}", file=sys.stderr, flush=True))
+        with progress_bar("tasks", "task") as progress:
+            out, names = write_suite(tok, a.out, [k.strip() for k in a.kinds.split(",") if k.strip()], lengths,
+                                     a.samples, a.seed, progress=progress)
     except (ValueError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
