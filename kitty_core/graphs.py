@@ -64,7 +64,38 @@ def can_graph(cache) -> bool:
     return hasattr(cache, "begin_device_steps")
 
 
-class GraphedDecoder:
+class _Greedy:
+    """What both decoders share: a step's inputs as device tensors (the previous step's token ids, the
+    position in the padded layout, each sequence's own position), taken up from the cache's host state."""
+
+    def _inputs(self, model, cache, batch: int, first_ids: torch.Tensor | None) -> None:
+        device = next(model.parameters()).device
+        self.model, self.cache, self.batch = model, cache, batch
+        self.ids = torch.ones((batch, 1), dtype=torch.long, device=device)
+        if first_ids is not None:
+            self.ids.copy_(first_ids.reshape(batch, 1))
+        self.position = torch.zeros(1, dtype=torch.long, device=device)  # in the padded layout
+        self.position_ids = torch.zeros((batch, 1), dtype=torch.long, device=device)  # each sequence's own
+
+    @torch.inference_mode()
+    def sync(self) -> None:
+        """Take up the cache's host state (after tokens were added to it outside this decoder)."""
+        self.position.fill_(self.cache.get_seq_length())
+        held = torch.tensor(self.cache.held_tokens(), dtype=torch.long)[:, None]
+        self.position_ids.copy_(held, non_blocking=True)  # as generate counts them: pads left out
+        self.cache.sync_device_steps()
+
+    def close(self) -> None:
+        self.cache.end_device_steps()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class GraphedDecoder(_Greedy):
     """Greedy decode steps of `model` over `cache`, one token per sequence, replayed from CUDA graphs.
 
     A step embeds the previous step's token ids (`ids`; at first `first_ids`), runs the model at the next
@@ -79,9 +110,7 @@ class GraphedDecoder:
     @torch.inference_mode()
     def __init__(self, model, cache, batch: int, graph: bool | None = None, first_ids: torch.Tensor | None = None):
         """`first_ids` [B, 1]: the tokens the first step embeds (say, the prefill's argmax); default id 1."""
-        device = next(model.parameters()).device
-        self.model, self.cache, self.batch = model, cache, batch
-        self.use_graph = device.type == "cuda" if graph is None else graph
+        self.use_graph = next(model.parameters()).device.type == "cuda" if graph is None else graph
         enable_kitty_attention(model)  # a device-driven step reaches its cache's layers through it
         cache.begin_device_steps()
         held = len(cache.held_tokens())
@@ -89,22 +118,10 @@ class GraphedDecoder:
             cache.end_device_steps()
             got = f"first_ids of {first_ids.numel()} tokens" if held == batch else f"a cache of {held} sequences"
             raise ValueError(f"batch={batch} sequences, but {got}: one token per sequence of the prefilled cache")
-        self.ids = torch.ones((batch, 1), dtype=torch.long, device=device)
-        if first_ids is not None:
-            self.ids.copy_(first_ids.reshape(batch, 1))
-        self.position = torch.zeros(1, dtype=torch.long, device=device)  # in the padded layout
-        self.position_ids = torch.zeros((batch, 1), dtype=torch.long, device=device)  # each sequence's own
+        self._inputs(model, cache, batch, first_ids)
         self.graph, self.shape, self.logits = None, None, None
         self.captures = 0
         self.sync()
-
-    @torch.inference_mode()
-    def sync(self) -> None:
-        """Take up the cache's host state (after tokens were added to it outside this decoder)."""
-        self.position.fill_(self.cache.get_seq_length())
-        held = torch.tensor(self.cache.held_tokens(), dtype=torch.long)[:, None]
-        self.position_ids.copy_(held, non_blocking=True)  # as generate counts them: pads left out
-        self.cache.sync_device_steps()
 
     def _body(self) -> torch.Tensor:
         out = self.model(input_ids=self.ids, position_ids=self.position_ids, cache_position=self.position,
@@ -148,16 +165,10 @@ class GraphedDecoder:
 
     def close(self) -> None:
         self.graph = None
-        self.cache.end_device_steps()
-
-    def __enter__(self) -> "GraphedDecoder":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        super().close()
 
 
-class CompiledDecoder:
+class CompiledDecoder(_Greedy):
     """Greedy decode steps of `model` over a compileable `cache` (`KittyCache.is_compileable`), through
     the compiled forward `generate` itself calls (`model.get_compiled_call`: torch.compile, mode
     reduce-overhead, CUDA graph trees on a GPU), so that a benchmark times the steps users get.
@@ -172,29 +183,15 @@ class CompiledDecoder:
         if not getattr(cache, "is_compileable", False):
             raise ValueError(f"{type(cache).__name__} is not compileable here: "
                              f"{getattr(cache, 'device_steps_refusal', lambda: 'not a KittyCache')()}")
-        device = next(model.parameters()).device
-        self.model, self.cache, self.batch = model, cache, batch
-        self.use_graph = device.type == "cuda"
+        self.use_graph = next(model.parameters()).device.type == "cuda"
         enable_kitty_attention(model)
         cache.begin_device_steps(by_operator=True)
         if len(cache.held_tokens()) != batch:
             cache.end_device_steps()
             raise ValueError(f"batch={batch} sequences, but a cache of {len(cache.held_tokens())}")
         self.call = model.get_compiled_call(compile_config)
-        self.ids = torch.ones((batch, 1), dtype=torch.long, device=device)
-        if first_ids is not None:
-            self.ids.copy_(first_ids.reshape(batch, 1))
-        self.position = torch.zeros(1, dtype=torch.long, device=device)
-        self.position_ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self._inputs(model, cache, batch, first_ids)
         self.sync()
-
-    @torch.inference_mode()
-    def sync(self) -> None:
-        """Take up the cache's host state (after tokens were added to it outside this decoder)."""
-        self.position.fill_(self.cache.get_seq_length())
-        held = torch.tensor(self.cache.held_tokens(), dtype=torch.long)[:, None]
-        self.position_ids.copy_(held, non_blocking=True)
-        self.cache.sync_device_steps()
 
     @torch.inference_mode()
     def step(self) -> torch.Tensor:
@@ -206,12 +203,3 @@ class CompiledDecoder:
         self.position += 1
         self.position_ids += 1
         return logits
-
-    def close(self) -> None:
-        self.cache.end_device_steps()
-
-    def __enter__(self) -> "CompiledDecoder":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
