@@ -33,7 +33,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import ops
 from .config import KittyConfig, parse_method
 from .graphs import StepCounters
-from .hf import PendingKV, base_attention, enable_kitty_attention, model_shape, num_attention_layers, softcapping
+from .hf import (
+    PendingKV,
+    base_attention,
+    check_supported,
+    enable_kitty_attention,
+    layer_windows,
+    model_shape,
+    softcapping,
+)
 from .quant import (
     KeyPages,
     ValuePages,
@@ -132,7 +140,8 @@ class PagePool:
     def __init__(self, kind: type, batch: int, device, width: int = 16):
         self.kind = kind
         self.store: dict[str, torch.Tensor] | None = None
-        self.count = 0
+        self.count = 0  # slots of the store ever used; those in `free` are held by no sequence
+        self.free: list[int] = []  # slots of pages dropped (a crop, a sliding window), reused first
         self.n = np.zeros(batch, dtype=np.int64)
         self.ids = np.zeros((batch, width), dtype=np.int32)
         self.device_n = torch.zeros(batch, dtype=torch.int32, device=device)
@@ -163,11 +172,11 @@ class PagePool:
 
     def add(self, b: int, pages: KeyPages | ValuePages) -> None:
         """pages [n, ...]: n new pages for sequence b."""
-        n = self._store(pages)
-        first, at = self.count - n, int(self.n[b])
+        ids = self._store(pages)
+        n, at = len(ids), int(self.n[b])
         self._room(at + n)
-        self.ids[b, at : at + n] = np.arange(first, self.count)
-        self.device_ids[b, at : at + n] = torch.arange(first, self.count, dtype=torch.int32, device=self.device_ids.device)
+        self.ids[b, at : at + n] = ids
+        self.device_ids[b, at : at + n] = self._on_device(ids)
         self.n[b] += n
         self.device_n[b] += n
 
@@ -177,12 +186,11 @@ class PagePool:
         batch, at = len(self.n), int(self.n[0])
         if (self.n != at).any():
             raise RuntimeError("add_all needs every sequence at the same page count; use add_rows")
-        per = self._store(pages) // batch
-        first = self.count - per * batch
+        ids = self._store(pages)
+        per = len(ids) // batch
         self._room(at + per)
-        self.ids[:, at : at + per] = first + np.arange(batch * per, dtype=np.int32).reshape(batch, per)
-        self.device_ids[:, at : at + per] = first + torch.arange(
-            batch * per, dtype=torch.int32, device=self.device_ids.device).reshape(batch, per)
+        self.ids[:, at : at + per] = ids.reshape(batch, per)
+        self.device_ids[:, at : at + per] = self._on_device(ids).reshape(batch, per)
         self.n += per
         self.device_n += per
 
@@ -190,29 +198,46 @@ class PagePool:
         """pages [len(rows), ...]: one new page for each listed sequence (distinct)."""
         if not len(rows):
             return
-        n = self._store(pages)
+        ids = self._store(pages)
         rows_h = np.asarray(rows)
         at = self.n[rows_h]
         self._room(int(at.max()) + 1)
-        ids = np.arange(self.count - n, self.count, dtype=np.int32)
         self.ids[rows_h, at] = ids
         dev = self.device_ids.device
         rows_d = torch.from_numpy(rows_h).to(dev, non_blocking=True)
-        self.device_ids[rows_d, torch.from_numpy(at).to(dev, non_blocking=True)] = torch.from_numpy(ids).to(dev)
+        self.device_ids[rows_d, torch.from_numpy(at).to(dev, non_blocking=True)] = self._on_device(ids)
         self.n[rows_h] += 1
         self.device_n[rows_d] += 1
 
-    def _store(self, pages: KeyPages | ValuePages) -> int:
+    def _store(self, pages: KeyPages | ValuePages) -> np.ndarray:
+        """Store pages [n, ...] in free slots first, then new ones; their slot ids (int32 [n])."""
         n = next(iter(vars(pages).values())).shape[0]
         if self.store is None:
             self.store = {f.name: self._zeros(f.name, getattr(pages, f.name), 0) for f in fields(pages)}
+        reused, self.free = self.free[:n], self.free[n:]
+        fresh = n - len(reused)
         cap = next(iter(self.store.values())).shape[0]
-        if self.count + n > cap:
-            self._grow(max(self.count + n, 2 * cap, 4))
+        if self.count + fresh > cap:
+            self._grow(max(self.count + fresh, 2 * cap, 4))
+        ids = np.array(reused + list(range(self.count, self.count + fresh)), dtype=np.int32)
+        where = slice(self.count, self.count + n) if not reused else torch.from_numpy(ids).to(self.device_ids.device)
         for f in fields(pages):
-            self.store[f.name][self.count : self.count + n] = getattr(pages, f.name)
-        self.count += n
-        return n
+            self.store[f.name][where] = getattr(pages, f.name)
+        self.count += fresh
+        return ids
+
+    def _on_device(self, ids: np.ndarray) -> torch.Tensor:
+        """Slot ids on the device; a run of new slots is made there (no copy from the host)."""
+        dev = self.device_ids.device
+        if len(ids) and ids[-1] - ids[0] == len(ids) - 1 and (np.diff(ids) == 1).all():
+            return torch.arange(int(ids[0]), int(ids[-1]) + 1, dtype=torch.int32, device=dev)
+        return torch.from_numpy(ids).to(dev)
+
+    def pop(self, b: int) -> None:
+        """Drop sequence b's newest page; its slot goes back to the pool."""
+        self.n[b] -= 1
+        self.device_n[b] -= 1
+        self.free.append(int(self.ids[b, self.n[b]]))
 
     def pages(self, b: int, first: int = 0) -> KeyPages | ValuePages | None:
         """Pages first, first+1, ... of sequence b, gathered (None if there are none)."""
@@ -248,7 +273,7 @@ class PagePool:
         if self.store is None:
             return {f.name: 0 for f in fields(self.kind)}
         per_page = page_nbytes(self.kind(**{k: v[:1] for k, v in self.store.items()}))
-        return {name: per_page[name] * self.count for name in per_page}
+        return {name: per_page[name] * (self.count - len(self.free)) for name in per_page}
 
 
 class ReferenceEngine:
@@ -311,6 +336,7 @@ class KittyLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
+    is_croppable = True  # crop rolls back a forward's tokens exactly (see `crop`)
 
     def __init__(self, config: KittyConfig, engine, layer_idx: int = 0, max_length: int | None = None,
                  owner: "KittyCache | None" = None):
@@ -326,6 +352,8 @@ class KittyLayer(CacheLayerMixin):
         self.softcap = None  # the model's attention logit softcap (Gemma 2): the reference path applies it
         self.last = owner is None  # the model's last attention layer: it ends a device-driven step
         self.generator = torch.Generator().manual_seed(config.seed * 100_003 + layer_idx)
+        self.record_past = False  # keep what `crop` needs to reopen a page the latest forward packed
+        self._packed = {"k": {}, "v": {}}  # side -> {sequence (None: all): (page index, FP16 source [.., H, G, D])}
 
     # -- transformers CacheLayerMixin -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -362,6 +390,11 @@ class KittyLayer(CacheLayerMixin):
         """Defer: attention (hf.kitty_attention) inserts the new tokens after it has used them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.batch:
+            raise ValueError(
+                f"this KittyCache holds {self.batch} sequence(s) and the input has {key_states.shape[0]}: a KittyCache "
+                "holds one batch's conversation, so new prompts need a new cache (past_key_values=KittyCache(model, "
+                "method) for each call)")
         return PendingKV(self, key_states), value_states
 
     def get_seq_length(self) -> int:
@@ -384,6 +417,79 @@ class KittyLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError("KittyCache does not support beam search; use greedy decoding or sampling")
+
+    def activate_past_recording(self) -> None:
+        """From now on keep the FP16 source of the newest page each forward packs, until the next forward
+        or crop, so that `crop` can reopen it (speculative decoding calls this before it starts)."""
+        self.record_past = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove each sequence's newest tokens, as transformers' caches do for speculative decoding:
+        a negative count removes that many, a positive one is the length to keep (the older spelling),
+        0 removes nothing. Tokens in FP16 parts go as they are; a page that the latest forward packed
+        is reopened from its FP16 source when past recording is on (its slot goes back to the pool),
+        so a rollback leaves the state the shorter forward would have left. Anything older than the
+        latest forward that is packed cannot be unpacked exactly: ValueError saying what to do.
+        Query statistics (selection="qk") keep the rolled-back queries."""
+        tokens_to_remove = int(tokens_to_remove)  # generate passes a 0-d tensor
+        if tokens_to_remove > 0:
+            tokens_to_remove = min(tokens_to_remove - self.seen, 0)
+        remove = -tokens_to_remove
+        if remove and self.is_initialized:
+            if remove > self.seen:
+                raise ValueError(f"cannot remove {remove} tokens from a cache of {self.seen}")
+            owner = self.owner()
+            if self.steps is not None and owner is not None:  # the host's record is exact: steps begin anew later
+                owner.end_device_steps()
+            for b in range(self.batch):
+                self._remove_newest(b, min(remove, self.tokens(b)))
+            self.seen -= remove
+            self.pad = [min(p, self.seen) for p in self.pad]
+        if tokens_to_remove == 0 or remove:
+            self._packed = {"k": {}, "v": {}}
+
+    def _remove_newest(self, b: int, n: int) -> None:
+        """Take sequence b's newest n real tokens out of both sides."""
+        c = self.config
+        start = self.tokens(b) - n
+        self._dirty(b, start)
+        for side, sink, pool, tail in (("k", self.k_sink, self.k_pages, self.k_buffer),
+                                       ("v", self.v_sink, self.v_pages, self.v_window)):
+            left = n
+            if tail is not None:
+                cut = min(left, tail.lens[b])
+                tail.lens[b] -= cut
+                left -= cut
+                while left and pool.pages_of(b):
+                    at = pool.pages_of(b) - 1
+                    src = self._packed_source(side, b, at)
+                    if src is None:
+                        raise ValueError(
+                            f"cannot remove the newest {n} tokens: {left} of them are in a {c.key_bits if side == 'k' else c.value_bits}"
+                            "-bit page that was packed before the latest forward (or without past recording) and "
+                            "cannot be unpacked exactly; call cache.activate_past_recording() before the forward "
+                            "to roll back, crop only within the latest forward's tokens, or use the fp16 preset")
+                    pool.pop(b)
+                    self._dirty(b, sink.lens[b] + at * c.group_size)
+                    keep = max(c.group_size - left, 0)
+                    left -= c.group_size - keep
+                    tail.append(b, src[:, :keep])  # the tail is empty here: the page's kept tokens are the newest
+            if left > sink.lens[b]:
+                raise RuntimeError("crop: the cache state machine is inconsistent")
+            sink.lens[b] -= left
+
+    def _record_packed(self, side: str, rows, src: torch.Tensor, at) -> None:
+        """While past recording is on: the FP16 source [.., H, G, D] of the newest page just packed for
+        sequence `rows` (None: every sequence, src [B, H, G, D]), page index `at` in its table."""
+        if self.record_past:
+            self._packed[side][rows] = (at, src.clone())
+
+    def _packed_source(self, side: str, b: int, at: int) -> torch.Tensor | None:
+        for rows in (b, None):
+            held = self._packed[side].get(rows)
+            if held is not None and held[0] == at:
+                return held[1] if rows is not None else held[1][b]
+        return None
 
     # -- the state machine -----------------------------------------------------------------------
     def tokens(self, b: int) -> int:
@@ -434,6 +540,7 @@ class KittyLayer(CacheLayerMixin):
         tensor operations (one page per sequence packed in one call). In a padded batch the sequences
         are in different states: a decode token is written to each sequence's own region and position
         in one indexed write; a prefill goes sequence by sequence."""
+        self._packed = {"k": {}, "v": {}}  # a rollback reaches back to the latest forward only
         if not any(self.pad):
             self._insert_all(key_new, value_new, pack)
         elif self.seen and key_new.shape[2] == 1 and not pack:
@@ -516,6 +623,7 @@ class KittyLayer(CacheLayerMixin):
         window (the Triton engine's kernels do, at the counters' positions); packs what became full.
         True if it packed."""
         c = self.config
+        self._packed = {"k": {}, "v": {}}
         self.seen += 1
         self.k_buffer.lens = [n + 1 for n in self.k_buffer.lens]
         self.v_window.lens = [n + 1 for n in self.v_window.lens]
@@ -597,6 +705,7 @@ class KittyLayer(CacheLayerMixin):
             pages = k[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)  # [N, H, G, D]
             self.k_pages.add(b, self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator,
                                                           self._query_rms(b)))
+            self._record_packed("k", b, pages[-1], self.k_pages.pages_of(b) - 1)
         self.k_buffer.append(b, k[:, full:])
         # values: the window keeps the newest R; older ones wait in the q_buffer until G of them
         window = torch.cat([self.v_window.tokens(b), v], dim=1)
@@ -606,6 +715,7 @@ class KittyLayer(CacheLayerMixin):
             self._dirty(b, self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
             pages = window[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)
             self.v_pages.add(b, self.engine.quantize_values(pages, c.value_bits))
+            self._record_packed("v", b, pages[-1], self.v_pages.pages_of(b) - 1)
         self.v_window.append(b, window[:, full:])
 
     def _insert_all(self, k: torch.Tensor, v: torch.Tensor, pack: bool = True) -> None:
@@ -631,10 +741,12 @@ class KittyLayer(CacheLayerMixin):
             self._dirty_all(self.k_sink.lens[0] + self.k_pages.pages_of(0) * g)
             rms = self._query_rms_all(x.shape[2] // g)
             self.k_pages.add_all(self.engine.quantize_keys(as_pages(x), self.n_boost, c.selection, self.generator, rms))
+            self._record_packed("k", None, x[:, :, -g:], self.k_pages.pages_of(0) - 1)
 
         def pack_values(x):
             self._dirty_all(self.v_sink.lens[0] + self.v_pages.pages_of(0) * g)
             self.v_pages.add_all(self.engine.quantize_values(as_pages(x), c.value_bits))
+            self._record_packed("v", None, x[:, :, -g:], self.v_pages.pages_of(0) - 1)
 
         _fill_and_pack(self.k_buffer, k, 0, g, pack_keys)  # keys: every G tokens become a page
         _fill_and_pack(self.v_window, v, c.local_window, g, pack_values)  # values: the newest R stay
@@ -822,12 +934,14 @@ _LEFT_PADDING = ("KittyCache expects left padding (pads first, then the real tok
 
 
 def leading_pads(mask: torch.Tensor | None, batch: int, length: int) -> list[int]:
-    """Pads at the start of each sequence's `length` new tokens, from the 4D mask of a prefill (its
-    last query row sees every real token). All `length` may be pads (a chunk of a longer prompt);
-    a pad after a real token is an error."""
+    """Pads at the start of each sequence's `length` new tokens, from the 4D mask of a prefill: the
+    diagonal of its last `length` columns, where a real token sees itself and a pad is masked (the last
+    row would not do: a sliding window hides real tokens from it). All `length` may be pads (a chunk
+    of a longer prompt); a pad after a real token is an error."""
     if mask is None:
         return [0] * batch
-    row = mask[:, 0, -1, -length:]
+    n = torch.arange(length, device=mask.device)
+    row = mask[:, 0, n - length + mask.shape[2], n - length + mask.shape[3]]  # [B or 1, length]
     allowed = row if row.dtype == torch.bool else row == 0
     allowed = allowed.expand(batch, length).cpu()
     pads = []
@@ -837,6 +951,12 @@ def leading_pads(mask: torch.Tensor | None, batch: int, length: int) -> list[int
             raise ValueError(_LEFT_PADDING)
         pads.append(n_pad)
     return pads
+
+
+_STORED_AS = {  # what the packed parts are (quant.py); every other part holds the model's dtype
+    "key dense plane": "2-bit codes", "key high plane": "2-bit codes", "value planes": "2-bit codes",
+    "key boost index": "channel index", "key scales/zeros": "float16", "value scales/zeros": "float16",
+}
 
 
 class KittyCache(Cache):
@@ -856,13 +976,14 @@ class KittyCache(Cache):
         device-driven steps reserve room for twice the tokens held when they begin, and begin anew
         (the compiled step records its CUDA graphs again) when that is used up. `device_steps=False`
         keeps every step on the host's record (eager only, as the reference engine runs)."""
+        check_supported(model)
         self.config = parse_method(method)
         self.device_steps = device_steps
         if engine is None:
             engine = "triton" if _on_cuda(model) and "triton" in available_engines() else "reference"
         self.engine = make_engine(engine)
         enable_kitty_attention(model)
-        n = num_attention_layers(model.config)
+        n = len(layer_windows(model.config))
         self.q_heads = model_shape(model.config)["q_heads"]
         self.counters = None
         self._layout = None  # the state's addresses the counters' CUDA graphs were recorded against
@@ -880,7 +1001,9 @@ class KittyCache(Cache):
                 and not self.softcap)
 
     def memory_report(self) -> pd.DataFrame:
-        """Stored bytes by part, summed over layers, with bytes per real token."""
+        """Stored bytes by part, summed over layers, with bytes per real token and what each part is
+        stored as: the FP16 parts (and every token of the "fp16" preset) hold the model's own dtype,
+        float32 for a model loaded in fp32, twice an FP16 cache's bytes."""
         totals: dict[str, int] = {}
         for layer in self.layers:
             if layer.is_initialized:
@@ -889,6 +1012,8 @@ class KittyCache(Cache):
         tokens = sum(self.layers[0].tokens(b) for b in range(self.layers[0].batch)) if self.is_initialized else 0
         df = pd.DataFrame({"part": list(totals), "bytes": list(totals.values())})
         df["bytes_per_token"] = df["bytes"] / max(tokens, 1)
+        dtype = str(self.layers[0].dtype).removeprefix("torch.") if self.is_initialized else None
+        df["stored_as"] = [_STORED_AS.get(part, dtype) for part in df["part"]]
         return df
 
     def nbytes(self) -> int:
