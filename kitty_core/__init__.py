@@ -2,6 +2,8 @@
 
 from .cache import KittyCache
 from .config import PRESETS, KittyConfig, parse_method
+from .hf import UnsupportedModelError
 from .models import LoadedModel, ModelLoadError, load_model
 
-__all__ = ["KittyCache", "KittyConfig", "PRESETS", "parse_method", "load_model", "LoadedModel", "ModelLoadError"]
+__all__ = ["KittyCache", "KittyConfig", "PRESETS", "parse_method", "load_model", "LoadedModel", "ModelLoadError",
+           "UnsupportedModelError"]

@@ -474,21 +474,41 @@ class KittyLayer(CacheLayerMixin):
                     keep = max(c.group_size - left, 0)
                     left -= c.group_size - keep
                     tail.append(b, src[:, :keep])  # the tail is empty here: the page's kept tokens are the newest
+                # values leave the window for a page only once R newer ones follow: with fewer, the
+                # pages that the forward packed too early open again
+                while side == "v" and tail.lens[b] < c.local_window and pool.pages_of(b):
+                    at = pool.pages_of(b) - 1
+                    src = self._packed_source(side, b, at)
+                    if src is None:
+                        break
+                    pool.pop(b)
+                    self._dirty(b, sink.lens[b] + at * c.group_size)
+                    newer = tail.tokens(b).clone()
+                    tail.clear(b)
+                    tail.append(b, src)
+                    tail.append(b, newer)
             if left > sink.lens[b]:
                 raise RuntimeError("crop: the cache state machine is inconsistent")
             sink.lens[b] -= left
 
-    def _record_packed(self, side: str, rows, src: torch.Tensor, at) -> None:
-        """While past recording is on: the FP16 source [.., H, G, D] of the newest page just packed for
-        sequence `rows` (None: every sequence, src [B, H, G, D]), page index `at` in its table."""
+    def _record_packed(self, side: str, rows, src: torch.Tensor, pages_held: int) -> None:
+        """While past recording is on: the FP16 source [.., H, n * G, D] of the n pages just packed for
+        sequence `rows` (None: every sequence, src [B, H, n * G, D]), which now holds `pages_held`.
+        The newest pages only: as many as a rollback can reopen (one key page; values: the pages that
+        a local window of R can take back, and one)."""
         if self.record_past:
-            self._packed[side][rows] = (at, src.clone())
+            g = self.config.group_size
+            keep = min(src.shape[-2] // g, 1 if side == "k" else 1 + -(-self.config.local_window // g))
+            self._packed[side][rows] = (pages_held - keep, src[..., src.shape[-2] - keep * g :, :].clone())
 
     def _packed_source(self, side: str, b: int, at: int) -> torch.Tensor | None:
+        """The FP16 source [H, G, D] of page `at` of sequence b, if the latest forward packed it and it was recorded."""
+        g = self.config.group_size
         for rows in (b, None):
             held = self._packed[side].get(rows)
-            if held is not None and held[0] == at:
-                return held[1] if rows is not None else held[1][b]
+            if held is not None and held[0] <= at < held[0] + held[1].shape[-2] // g:
+                src = held[1] if rows is not None else held[1][b]
+                return src[:, (at - held[0]) * g : (at - held[0] + 1) * g]
         return None
 
     # -- the state machine -----------------------------------------------------------------------
@@ -705,7 +725,7 @@ class KittyLayer(CacheLayerMixin):
             pages = k[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)  # [N, H, G, D]
             self.k_pages.add(b, self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator,
                                                           self._query_rms(b)))
-            self._record_packed("k", b, pages[-1], self.k_pages.pages_of(b) - 1)
+            self._record_packed("k", b, k[:, :full], self.k_pages.pages_of(b))
         self.k_buffer.append(b, k[:, full:])
         # values: the window keeps the newest R; older ones wait in the q_buffer until G of them
         window = torch.cat([self.v_window.tokens(b), v], dim=1)
@@ -715,7 +735,7 @@ class KittyLayer(CacheLayerMixin):
             self._dirty(b, self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
             pages = window[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)
             self.v_pages.add(b, self.engine.quantize_values(pages, c.value_bits))
-            self._record_packed("v", b, pages[-1], self.v_pages.pages_of(b) - 1)
+            self._record_packed("v", b, window[:, :full], self.v_pages.pages_of(b))
         self.v_window.append(b, window[:, full:])
 
     def _insert_all(self, k: torch.Tensor, v: torch.Tensor, pack: bool = True) -> None:
@@ -741,12 +761,12 @@ class KittyLayer(CacheLayerMixin):
             self._dirty_all(self.k_sink.lens[0] + self.k_pages.pages_of(0) * g)
             rms = self._query_rms_all(x.shape[2] // g)
             self.k_pages.add_all(self.engine.quantize_keys(as_pages(x), self.n_boost, c.selection, self.generator, rms))
-            self._record_packed("k", None, x[:, :, -g:], self.k_pages.pages_of(0) - 1)
+            self._record_packed("k", None, x, self.k_pages.pages_of(0))
 
         def pack_values(x):
             self._dirty_all(self.v_sink.lens[0] + self.v_pages.pages_of(0) * g)
             self.v_pages.add_all(self.engine.quantize_values(as_pages(x), c.value_bits))
-            self._record_packed("v", None, x[:, :, -g:], self.v_pages.pages_of(0) - 1)
+            self._record_packed("v", None, x, self.v_pages.pages_of(0))
 
         _fill_and_pack(self.k_buffer, k, 0, g, pack_keys)  # keys: every G tokens become a page
         _fill_and_pack(self.v_window, v, c.local_window, g, pack_values)  # values: the newest R stay

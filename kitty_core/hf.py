@@ -71,14 +71,17 @@ def kitty_mask(*args, config=None, **kwargs):
     one ...): `base_attention` reads it as that attention would. A Kitty layer reads its pads from the
     diagonal of either kind (`cache.leading_pads`).
 
-    A forward with no new tokens is what `generate` makes of a prompt no longer than what the cache
-    already holds (a cache reused for another prompt): refused here, before the model fails on it."""
-    if kwargs.get("q_length") == 0:
+    A 2D mask shorter than the cache's tokens and the new ones is what `generate` makes of a prompt no
+    longer than what the cache already holds (a cache reused for another prompt): it would feed a
+    slice of the prompt, or none of it, as the continuation. Refused here, before attention runs."""
+    mask, kv = kwargs.get("attention_mask"), kwargs.get("kv_length", 0) + kwargs.get("kv_offset", 0)
+    if mask is not None and mask.dim() == 2 and mask.shape[-1] < kv:
         raise ValueError(
-            f"the cache already holds {kwargs.get('kv_length')} tokens and the input brings none after them: a "
-            "KittyCache holds one conversation (generate continues it), so a new prompt needs a new cache: pass "
-            "past_key_values=KittyCache(model, method) to each call (a pipeline over several prompts: one call per "
-            "prompt, or all prompts in one batch with batch_size=len(prompts))")
+            f"the attention mask covers {mask.shape[-1]} positions, but the cache and the new tokens make {kv}: "
+            "the input does not continue what the cache holds. A KittyCache holds one conversation (generate "
+            "continues it), so a new prompt needs a new cache: pass past_key_values=KittyCache(model, method) to "
+            "each call (a pipeline over several prompts: one call per prompt, or all of them in one batch with "
+            "batch_size=len(prompts))")
     return ALL_MASK_ATTENTION_FUNCTIONS[_base(config)](*args, config=config, **kwargs)
 
 
@@ -162,9 +165,8 @@ def layer_windows(config) -> list[int | None]:
     unsupported = set(types) - {"full_attention", "sliding_attention"}
     if unsupported:
         raise ValueError(
-            f"{cfg.model_type} has layers of type {sorted(unsupported)} without a key/value cache Kitty can hold; "
-            "Kitty needs a decoder whose every layer is full or sliding-window attention (Llama, Mistral, Qwen2, "
-            "Qwen3 ...)")
+            f"{cfg.model_type} has layers of type {sorted(unsupported)} without a key/value cache Kitty can hold "
+            "(every layer must be full or sliding-window attention)")
     if len(types) != cfg.num_hidden_layers:
         raise ValueError(f"{cfg.model_type} shares key/value caches between layers ({len(types)} caches for "
                          f"{cfg.num_hidden_layers} layers), which Kitty does not do")
