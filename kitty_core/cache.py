@@ -113,6 +113,17 @@ class Fp16Region:
     def clear(self, b: int) -> None:
         self.lens[b] = 0
 
+    def drop_oldest(self, b: int | None, n: int) -> None:
+        """Drop the n oldest tokens of sequence b (None: of every sequence, which hold the same count);
+        the rest move to the region's start."""
+        rows = slice(None) if b is None else b
+        held = self.lens[0 if b is None else b]
+        self.buf[rows, :, : held - n] = self.buf[rows, :, n:held].clone()
+        if b is None:
+            self.lens = [held - n] * len(self.lens)
+        else:
+            self.lens[b] = held - n
+
     def clear_all(self) -> None:
         self.lens = [0] * len(self.lens)
 
@@ -233,6 +244,17 @@ class PagePool:
             return torch.arange(int(ids[0]), int(ids[-1]) + 1, dtype=torch.int32, device=dev)
         return torch.from_numpy(ids).to(dev)
 
+    def drop_oldest(self, b: int | None, k: int) -> None:
+        """Drop the k oldest pages of sequence b (None: of every sequence, which hold the same count);
+        their slots go back to the pool."""
+        rows = slice(None) if b is None else b
+        n = int(self.n[0 if b is None else b])
+        self.free += self.ids[rows, :k].flatten().tolist()
+        self.ids[rows, : n - k] = self.ids[rows, k:n].copy()
+        self.device_ids[rows, : n - k] = self.device_ids[rows, k:n].clone()
+        self.n[rows] -= k
+        self.device_n[rows] -= k
+
     def pop(self, b: int) -> None:
         """Drop sequence b's newest page; its slot goes back to the pool."""
         self.n[b] -= 1
@@ -339,8 +361,18 @@ class KittyLayer(CacheLayerMixin):
     is_croppable = True  # crop rolls back a forward's tokens exactly (see `crop`)
 
     def __init__(self, config: KittyConfig, engine, layer_idx: int = 0, max_length: int | None = None,
-                 owner: "KittyCache | None" = None):
+                 owner: "KittyCache | None" = None, window: int | None = None):
+        """`window`: the layer's sliding window W (None: full attention). A sliding layer keeps only what
+        its window can still attend to (each sequence's newest W - 1 tokens, page-granular): no FP16 sink
+        (its first tokens leave the window like any other), pages dropped once wholly outside, and
+        every token in FP16 (trimmed each step, as DynamicCache keeps it) when W is no longer than a
+        page, where no page would ever fill inside the window."""
         super().__init__()
+        if window is not None:
+            config = config.replace(sink=0) if config.quantize and window > config.group_size else KittyConfig(
+                quantize=False)
+        self.window = window
+        self.is_sliding = window is not None
         self.config = config
         self.engine = engine
         self.layer_idx = layer_idx
@@ -365,6 +397,7 @@ class KittyLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.n_boost = c.boosted_channels(d)
         self.pad = [0] * b
+        self.dropped = np.zeros((2, b), dtype=np.int64)  # oldest real tokens of each sequence no longer held: keys, values
         mk = lambda cap, grow=False: Fp16Region(b, h, d, self.dtype, self.device, cap, grow)  # noqa: E731
         if not c.quantize:  # FP16 reference: one growing region per side, nothing else
             self.k_sink, self.v_sink = mk(64, True), mk(64, True)
@@ -447,6 +480,8 @@ class KittyLayer(CacheLayerMixin):
             self.pad = [min(p, self.seen) for p in self.pad]
         if tokens_to_remove == 0 or remove:
             self._packed = {"k": {}, "v": {}}
+            if self.window is not None and self.is_initialized:  # what only the rolled-back queries saw goes
+                self._slide()
 
     def _remove_newest(self, b: int, n: int) -> None:
         """Take sequence b's newest n real tokens out of both sides."""
@@ -455,7 +490,7 @@ class KittyLayer(CacheLayerMixin):
         self._dirty(b, start)
         for side, sink, pool, tail in (("k", self.k_sink, self.k_pages, self.k_buffer),
                                        ("v", self.v_sink, self.v_pages, self.v_window)):
-            left = n
+            left, base = n, int(self.dropped[side == "v", b])
             if tail is not None:
                 cut = min(left, tail.lens[b])
                 tail.lens[b] -= cut
@@ -470,7 +505,7 @@ class KittyLayer(CacheLayerMixin):
                             "cannot be unpacked exactly; call cache.activate_past_recording() before the forward "
                             "to roll back, crop only within the latest forward's tokens, or use the fp16 preset")
                     pool.pop(b)
-                    self._dirty(b, sink.lens[b] + at * c.group_size)
+                    self._dirty(b, base + sink.lens[b] + at * c.group_size)
                     keep = max(c.group_size - left, 0)
                     left -= c.group_size - keep
                     tail.append(b, src[:, :keep])  # the tail is empty here: the page's kept tokens are the newest
@@ -482,7 +517,7 @@ class KittyLayer(CacheLayerMixin):
                     if src is None:
                         break
                     pool.pop(b)
-                    self._dirty(b, sink.lens[b] + at * c.group_size)
+                    self._dirty(b, base + sink.lens[b] + at * c.group_size)
                     newer = tail.tokens(b).clone()
                     tail.clear(b)
                     tail.append(b, src)
@@ -550,6 +585,9 @@ class KittyLayer(CacheLayerMixin):
             self._extend_padding(attention_mask, t)
         if self.config.selection == "qk":
             self._track_queries(query)
+        if self.window is not None:  # the kernels take no window: a sliding layer attends through the reference path
+            return ReferenceEngine.attend(self.engine, self, module, query, key_new, value_new, attention_mask, scaling,
+                                          **kwargs)
         return self.engine.attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
 
     def insert(self, key_new: torch.Tensor, value_new: torch.Tensor, pack: bool = True) -> None:
@@ -570,6 +608,36 @@ class KittyLayer(CacheLayerMixin):
                 skip = min(max(self.pad[b] - self.seen, 0), key_new.shape[2])  # pads of this chunk
                 self._insert(b, key_new[b, :, skip:], value_new[b, :, skip:], pack)
         self.seen += key_new.shape[2]
+        if self.window is not None:  # under past recording, what the latest forward's queries saw stays until a crop
+            self._slide(key_new.shape[2] if self.record_past else 0)
+
+    def _slide(self, slack: int = 0) -> None:
+        """Drop what no later query of this sliding layer can attend: each sequence keeps its newest
+        W - 1 real tokens (and `slack` more), down to whole pages (a page goes when all its tokens are
+        out; the FP16 tail is trimmed once no page is left before it)."""
+        w, g = self.window, self.config.group_size
+        lockstep = not any(self.pad) and (self.dropped == self.dropped[:, :1]).all()
+        for b in [None] if lockstep else range(self.batch):
+            i = 0 if b is None else b
+            keep_from = self.tokens(i) - (w - 1) - slack
+            for side, (sink, pool, tail) in enumerate(((self.k_sink, self.k_pages, self.k_buffer),
+                                                       (self.v_sink, self.v_pages, self.v_window))):
+                cut = keep_from - int(self.dropped[side, i])
+                if cut <= 0:
+                    continue
+                if tail is None:  # every token in FP16, in the "sink" region
+                    sink.drop_oldest(b, cut)
+                else:
+                    pages = min(cut // g, pool.pages_of(i))
+                    if pages:
+                        pool.drop_oldest(b, pages)
+                    cut -= pages * g
+                    if pool.pages_of(i):
+                        cut = 0  # the oldest page still holds tokens inside the window
+                    if cut > 0:
+                        tail.drop_oldest(b, cut)
+                    cut += pages * g
+                self.dropped[side, slice(None) if b is None else b] += cut
 
     def pack_full(self) -> None:
         """Pack every key q-buffer that holds G tokens, and the oldest G values of every full window."""
@@ -591,7 +659,7 @@ class KittyLayer(CacheLayerMixin):
         if keys:  # one page for each of these sequences, packed in one call
             dev = self.device
             for b in keys:
-                self._dirty(b, self.k_sink.lens[b] + self.k_pages.pages_of(b) * g)
+                self._dirty(b, self.dropped[0, b] + self.k_sink.lens[b] + self.k_pages.pages_of(b) * g)
             rms = None
             if c.selection == "qk":
                 idx = torch.tensor(keys, device=dev)
@@ -603,7 +671,7 @@ class KittyLayer(CacheLayerMixin):
         if values:  # the oldest G values of each full window become a page; the newest R move up
             idx = torch.tensor(values, device=self.device)
             for b in values:
-                self._dirty(b, self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
+                self._dirty(b, self.dropped[1, b] + self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
             window = self.v_window.buf[idx]  # [n, H, R + G, D]
             self.v_pages.add_rows(values, self.engine.quantize_values(window[:, :, :g], c.value_bits))
             self.v_window.buf[idx, :, :r] = window[:, :, g:]
@@ -721,7 +789,7 @@ class KittyLayer(CacheLayerMixin):
             self.k_buffer.clear(b)
         full = k.shape[1] // g * g
         if full:
-            self._dirty(b, self.k_sink.lens[b] + self.k_pages.pages_of(b) * g)
+            self._dirty(b, self.dropped[0, b] + self.k_sink.lens[b] + self.k_pages.pages_of(b) * g)
             pages = k[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)  # [N, H, G, D]
             self.k_pages.add(b, self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator,
                                                           self._query_rms(b)))
@@ -732,7 +800,7 @@ class KittyLayer(CacheLayerMixin):
         self.v_window.clear(b)
         full = max(window.shape[1] - c.local_window, 0) // g * g
         if full:
-            self._dirty(b, self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
+            self._dirty(b, self.dropped[1, b] + self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
             pages = window[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)
             self.v_pages.add(b, self.engine.quantize_values(pages, c.value_bits))
             self._record_packed("v", b, window[:, :full], self.v_pages.pages_of(b))
@@ -758,13 +826,13 @@ class KittyLayer(CacheLayerMixin):
             return x.reshape(bsz, h, -1, g, d).transpose(1, 2).reshape(-1, h, g, d)
 
         def pack_keys(x):
-            self._dirty_all(self.k_sink.lens[0] + self.k_pages.pages_of(0) * g)
+            self._dirty_all(self.dropped[0, 0] + self.k_sink.lens[0] + self.k_pages.pages_of(0) * g)
             rms = self._query_rms_all(x.shape[2] // g)
             self.k_pages.add_all(self.engine.quantize_keys(as_pages(x), self.n_boost, c.selection, self.generator, rms))
             self._record_packed("k", None, x, self.k_pages.pages_of(0))
 
         def pack_values(x):
-            self._dirty_all(self.v_sink.lens[0] + self.v_pages.pages_of(0) * g)
+            self._dirty_all(self.dropped[1, 0] + self.v_sink.lens[0] + self.v_pages.pages_of(0) * g)
             self.v_pages.add_all(self.engine.quantize_values(as_pages(x), c.value_bits))
             self._record_packed("v", None, x, self.v_pages.pages_of(0))
 
@@ -821,14 +889,14 @@ class KittyLayer(CacheLayerMixin):
         """Keys and values [H, n_b - start, D] of sequence b from token `start` on, as attention sees
         them: FP16 parts as stored, pages dequantized (only the pages that reach past `start`)."""
         c = self.config
-        n_sink = self.k_sink.lens[b]
-        keys = [(0, self.k_sink.tokens(b))]
-        values = [(0, self.v_sink.tokens(b))]
+        dk, dv = (int(x) for x in self.dropped[:, b])  # a sliding layer's tokens before these are gone (zeros)
+        keys = [(dk, self.k_sink.tokens(b))]
+        values = [(dv, self.v_sink.tokens(b))]
         if c.quantize:
             g = c.group_size
-            for parts, pool, tail, dequant in ((keys, self.k_pages, self.k_buffer, dequantize_keys),
-                                               (values, self.v_pages, self.v_window, dequantize_values)):
-                n_pages = pool.pages_of(b)
+            for parts, pool, tail, dequant, base in ((keys, self.k_pages, self.k_buffer, dequantize_keys, dk),
+                                                     (values, self.v_pages, self.v_window, dequantize_values, dv)):
+                n_sink, n_pages = base + parts[0][1].shape[-2], pool.pages_of(b)
                 first = max(start - n_sink, 0) // g if start > n_sink else 0
                 if first < n_pages:
                     parts.append((n_sink + first * g, _flatten_pages(dequant(pool.pages(b, first), dtype))))
@@ -840,14 +908,14 @@ class KittyLayer(CacheLayerMixin):
         batch without padding (every sequence holds the same tokens in the same places): one page
         gather and one dequantization for the block instead of one per sequence."""
         c = self.config
-        n_sink = self.k_sink.lens[0]
-        keys = [(0, self.k_sink.buf[rows, :, :n_sink])]
-        values = [(0, self.v_sink.buf[rows, :, :n_sink])]
+        dk, dv = (int(x) for x in self.dropped[:, 0])  # the same in every sequence here
+        keys = [(dk, self.k_sink.buf[rows, :, : self.k_sink.lens[0]])]
+        values = [(dv, self.v_sink.buf[rows, :, : self.v_sink.lens[0]])]
         if c.quantize:
             g = c.group_size
-            for parts, pool, tail, dequant in ((keys, self.k_pages, self.k_buffer, dequantize_keys),
-                                               (values, self.v_pages, self.v_window, dequantize_values)):
-                n_pages = pool.pages_of(0)
+            for parts, pool, tail, dequant, base in ((keys, self.k_pages, self.k_buffer, dequantize_keys, dk),
+                                                     (values, self.v_pages, self.v_window, dequantize_values, dv)):
+                n_sink, n_pages = base + parts[0][1].shape[-2], pool.pages_of(0)
                 first = max(start - n_sink, 0) // g if start > n_sink else 0
                 if first < n_pages:
                     ids = pool.device_ids[rows, first:n_pages].flatten()
@@ -915,6 +983,10 @@ class KittyLayer(CacheLayerMixin):
             parts["key scales/zeros"] = k["scale"] + k["zero"]
             parts["value planes"] = v["low"] + v["high"]
             parts["value scales/zeros"] = v["scale"] + v["zero"]
+        if self.window is not None:
+            if not self.config.quantize:  # every token in FP16 (the "sink" region holds them all)
+                parts = {"keys": parts["key sink"], "values": parts["value sink"]}
+            parts = {f"{SLIDING}{part}": n for part, n in parts.items() if not part.endswith(" sink") or n}
         return parts
 
 
@@ -938,8 +1010,13 @@ def _fill_and_pack(region: Fp16Region, new: torch.Tensor, keep: int, g: int, pac
 
 
 def _join_from(parts: list[tuple[int, torch.Tensor]], start: int, dtype) -> torch.Tensor:
-    """Concatenate (first_token, [..., H, n, D]) parts along tokens, keeping tokens from `start` on."""
+    """Concatenate (first_token, [..., H, n, D]) parts along tokens, keeping tokens from `start` on;
+    tokens before the first part (dropped by a sliding window, never attended again) read as zeros."""
     kept = [x[..., max(start - first, 0):, :] for first, x in parts if first + x.shape[-2] > start]
+    gone = parts[0][0] - start
+    if gone > 0:
+        x = parts[0][1]
+        kept.insert(0, x.new_zeros((*x.shape[:-2], gone, x.shape[-1])))
     return torch.cat(kept, dim=-2).to(dtype) if kept else parts[0][1][..., :0, :].to(dtype)
 
 
@@ -973,6 +1050,7 @@ def leading_pads(mask: torch.Tensor | None, batch: int, length: int) -> list[int
     return pads
 
 
+SLIDING = "sliding window: "  # the memory report's parts of sliding-window layers
 _STORED_AS = {  # what the packed parts are (quant.py); every other part holds the model's dtype
     "key dense plane": "2-bit codes", "key high plane": "2-bit codes", "value planes": "2-bit codes",
     "key boost index": "channel index", "key scales/zeros": "float16", "value scales/zeros": "float16",
@@ -1003,12 +1081,12 @@ class KittyCache(Cache):
             engine = "triton" if _on_cuda(model) and "triton" in available_engines() else "reference"
         self.engine = make_engine(engine)
         enable_kitty_attention(model)
-        n = len(layer_windows(model.config))
+        windows = layer_windows(model.config)
         self.q_heads = model_shape(model.config)["q_heads"]
         self.counters = None
         self._layout = None  # the state's addresses the counters' CUDA graphs were recorded against
         self.softcap = softcapping(model.config)
-        layers = [KittyLayer(self.config, self.engine, i, max_length, owner=self) for i in range(n)]
+        layers = [KittyLayer(self.config, self.engine, i, max_length, owner=self, window=w) for i, w in enumerate(windows)]
         layers[-1].last = True
         for layer in layers:
             layer.softcap = self.softcap
@@ -1018,7 +1096,7 @@ class KittyCache(Cache):
     def is_compileable(self) -> bool:
         """Can `generate` compile the decode step? On an engine that steps from device counters."""
         return (self.device_steps and self.config.quantize and getattr(self.engine, "device_steps", False)
-                and not self.softcap)
+                and not self.softcap and not any(layer.is_sliding for layer in self.layers))
 
     def memory_report(self) -> pd.DataFrame:
         """Stored bytes by part, summed over layers, with bytes per real token and what each part is
@@ -1033,7 +1111,7 @@ class KittyCache(Cache):
         df = pd.DataFrame({"part": list(totals), "bytes": list(totals.values())})
         df["bytes_per_token"] = df["bytes"] / max(tokens, 1)
         dtype = str(self.layers[0].dtype).removeprefix("torch.") if self.is_initialized else None
-        df["stored_as"] = [_STORED_AS.get(part, dtype) for part in df["part"]]
+        df["stored_as"] = [_STORED_AS.get(part.removeprefix(SLIDING), dtype) for part in df["part"]]
         return df
 
     def nbytes(self) -> int:
@@ -1043,8 +1121,8 @@ class KittyCache(Cache):
         """Decode steps (one token per sequence) until the one that packs pages: 1 if the next step
         does. None for a cache that never packs (FP16) or a padded batch, whose sequences pack at
         different steps."""
-        first = self.layers[0]
-        c = self.config
+        first = next((layer for layer in self.layers if not layer.is_sliding), self.layers[0])
+        c = first.config
         if not c.quantize or not first.is_initialized or any(first.pad) or min(first.k_sink.lens) < c.sink:
             return None
         return min(c.group_size - first.k_buffer.lens[0], c.local_window + c.group_size - first.v_window.lens[0])
@@ -1058,6 +1136,9 @@ class KittyCache(Cache):
             return "it is empty: prefill it first"
         if not self.config.quantize or not getattr(self.engine, "device_steps", False):
             return f"the {self.engine.name!r} engine attends from host state; the Triton engine (CUDA) can"
+        if any(layer.is_sliding for layer in self.layers):
+            return ("this model has sliding-window layers, which the Triton kernels do not take (they attend to every "
+                    "token a layer holds): its steps attend through the reference path")
         if self.softcap:
             return (f"this model softcaps its attention logits (at {self.softcap}), which the Triton kernels do not: "
                     "its steps attend through the reference path")

@@ -64,8 +64,12 @@ def test_supported_architecture(family):
 
     cache = KittyCache(model, SMALL_PAGES)
     batch = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **GEN)
-    full = [layer for layer in cache.layers if not layer.is_sliding]
-    assert full and all(len(layer.k_pages.table[0]) >= 6 for layer in full)  # (64 - 4) // 8 key pages each
+    for layer in cache.layers:
+        if layer.is_sliding:  # no sink; pages dropped once out of the window, the newest W - 1 tokens kept
+            held = layer.tokens(0) - int(layer.dropped[0, 0])
+            assert layer.k_pages.free and WINDOW - 1 <= held < WINDOW - 1 + 8
+        else:
+            assert len(layer.k_pages.table[0]) >= 6  # (64 - 4) // 8 key pages
     n = ids.shape[1]
     for row in range(2):
         real = mask[row].bool()
