@@ -490,7 +490,7 @@ class KittyLayer(CacheLayerMixin):
         self._dirty(b, start)
         for side, sink, pool, tail in (("k", self.k_sink, self.k_pages, self.k_buffer),
                                        ("v", self.v_sink, self.v_pages, self.v_window)):
-            left, base = n, int(self.dropped[side == "v", b])
+            left, base = n, int(self.dropped[int(side == "v"), b])
             if tail is not None:
                 cut = min(left, tail.lens[b])
                 tail.lens[b] -= cut
@@ -599,6 +599,9 @@ class KittyLayer(CacheLayerMixin):
         are in different states: a decode token is written to each sequence's own region and position
         in one indexed write; a prefill goes sequence by sequence."""
         self._packed = {"k": {}, "v": {}}  # a rollback reaches back to the latest forward only
+        t = key_new.shape[2]
+        if self.window is not None and t > 1 and not any(self.pad):
+            key_new, value_new = self._skip_out_of_window(key_new, value_new)
         if not any(self.pad):
             self._insert_all(key_new, value_new, pack)
         elif self.seen and key_new.shape[2] == 1 and not pack:
@@ -607,9 +610,29 @@ class KittyLayer(CacheLayerMixin):
             for b in range(self.batch):
                 skip = min(max(self.pad[b] - self.seen, 0), key_new.shape[2])  # pads of this chunk
                 self._insert(b, key_new[b, :, skip:], value_new[b, :, skip:], pack)
-        self.seen += key_new.shape[2]
+        self.seen += t
         if self.window is not None:  # under past recording, what the latest forward's queries saw stays until a crop
             self._slide(key_new.shape[2] if self.record_past else 0)
+
+    def _skip_out_of_window(self, key_new, value_new):
+        """A sliding layer's chunk (no pads) that ends past the window of everything held: the held
+        tokens and the chunk's first ones are out of it once the chunk is in, so they are dropped now
+        and never stored (a long prompt is not packed to be dropped), down to a page boundary. The rest
+        of the chunk, returned."""
+        slack = key_new.shape[2] if self.record_past else 0
+        skip = key_new.shape[2] - (self.window - 1) - slack
+        if self.config.quantize:  # whole pages: key pages keep the boundaries they would have had
+            skip = (self.seen + skip) // self.config.group_size * self.config.group_size - self.seen
+        if skip <= 0:
+            return key_new, value_new
+        for pool in (self.k_pages, self.v_pages):
+            if pool.pages_of(0):
+                pool.drop_oldest(None, pool.pages_of(0))
+        for region in (self.k_sink, self.v_sink, self.k_buffer, self.v_window):
+            if region is not None:
+                region.clear_all()
+        self.dropped[:] = self.seen + skip
+        return key_new[:, :, skip:], value_new[:, :, skip:]
 
     def _slide(self, slack: int = 0) -> None:
         """Drop what no later query of this sliding layer can attend: each sequence keeps its newest

@@ -497,3 +497,58 @@ def test_the_memory_report_says_what_each_part_is_stored_as():
         else:
             assert report.loc["key dense plane", "stored_as"] == "2-bit codes"
             assert report.loc["key scales/zeros", "stored_as"] == "float16"
+
+
+def _windowed(family, window, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                               sliding_window=window, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+
+
+def test_sliding_window_layers_hold_only_their_window():
+    """Mistral with a 32-token window over 210 tokens: the fp16 preset holds DynamicCache's bytes (the
+    newest W - 1 tokens) and generates its tokens, also with prompt lookup's rollbacks; kitty-pro
+    with pages of 8 drops every page wholly out of the window (its slot reused), holds a bounded
+    number of tokens, and generates what the same cache generates when it keeps them all (a dropped
+    token is never attended). Gemma 3: the sliding layer slides, the full layer keeps everything."""
+    model = _windowed("mistral", 32)
+    ids = torch.randint(3, 256, (1, 180), generator=torch.Generator().manual_seed(0))
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, min_new_tokens=30,
+              do_sample=False, pad_token_id=0)
+    dynamic = DynamicCache(config=model.config)
+    want = model.generate(**kw, past_key_values=dynamic)
+    fp16 = KittyCache(model, "fp16")
+    assert torch.equal(model.generate(**kw, past_key_values=fp16), want)
+    assert fp16.nbytes() == sum(x.keys.nbytes + x.values.nbytes for x in dynamic.layers) == 2 * 2 * 2 * 31 * 16 * 4
+    assert set(fp16.memory_report()["part"]) == {"sliding window: keys", "sliding window: values"}
+    looked = KittyCache(model, "fp16")
+    lookup = model.generate(**{**kw, "input_ids": ids[:, :20].repeat(1, 9)}, prompt_lookup_num_tokens=3,
+                            past_key_values=looked)
+    assert torch.equal(lookup, model.generate(**{**kw, "input_ids": ids[:, :20].repeat(1, 9)}))
+    assert looked.layers[0].k_sink.lens[0] == 31
+
+    spec = "kitty-pro+sink=4+group_size=8+local_window=8"
+    sliding, keeping = KittyCache(model, spec), KittyCache(model, spec)
+    for layer in keeping.layers:  # the same layout, nothing dropped
+        layer._slide = lambda slack=0: None
+        layer._skip_out_of_window = lambda k, v: (k, v)
+    assert torch.equal(model.generate(**kw, past_key_values=sliding), model.generate(**kw, past_key_values=keeping))
+    for layer, kept in zip(sliding.layers, keeping.layers):
+        assert layer.config.sink == 0 and layer.k_sink.lens[0] == 0  # a window has no FP16 sink
+        assert len(layer.k_pages.table[0]) <= 4 and len(kept.k_pages.table[0]) == 209 // 8
+        assert layer.k_pages.count <= 6  # dropped pages' slots hold the new ones
+        assert 31 <= layer.tokens(0) - layer.dropped[0, 0] < 31 + 8
+        assert 31 <= layer.tokens(0) - layer.dropped[1, 0] < 31 + 8 + 8
+    assert sliding.nbytes() < keeping.nbytes() / 3
+
+    gemma = _windowed("gemma3_text", 32, layer_types=["sliding_attention", "full_attention"])
+    cache = KittyCache(gemma, spec)
+    gemma.generate(**kw, past_key_values=cache)
+    assert [layer.is_sliding for layer in cache.layers] == [True, False]
+    assert len(cache.layers[0].k_pages.table[0]) <= 4 and len(cache.layers[1].k_pages.table[0]) == (209 - 4) // 8
+    parts = set(cache.memory_report()["part"])
+    assert "sliding window: key dense plane" in parts and "key dense plane" in parts and "key sink" in parts
