@@ -397,7 +397,8 @@ class KittyLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.n_boost = c.boosted_channels(d)
         self.pad = [0] * b
-        self.dropped = np.zeros((2, b), dtype=np.int64)  # oldest real tokens of each sequence no longer held: keys, values
+        # the oldest real tokens of each sequence a sliding layer no longer holds: keys, values
+        self.dropped = np.zeros((2, b), dtype=np.int64)
         mk = lambda cap, grow=False: Fp16Region(b, h, d, self.dtype, self.device, cap, grow)  # noqa: E731
         if not c.quantize:  # FP16 reference: one growing region per side, nothing else
             self.k_sink, self.v_sink = mk(64, True), mk(64, True)
@@ -499,9 +500,10 @@ class KittyLayer(CacheLayerMixin):
                     at = pool.pages_of(b) - 1
                     src = self._packed_source(side, b, at)
                     if src is None:
+                        bits = c.key_bits if side == "k" else c.value_bits
                         raise ValueError(
-                            f"cannot remove the newest {n} tokens: {left} of them are in a {c.key_bits if side == 'k' else c.value_bits}"
-                            "-bit page that was packed before the latest forward (or without past recording) and "
+                            f"cannot remove the newest {n} tokens: {left} of them are in a {bits}-bit page"
+                            " that was packed before the latest forward (or without past recording) and "
                             "cannot be unpacked exactly; call cache.activate_past_recording() before the forward "
                             "to roll back, crop only within the latest forward's tokens, or use the fp16 preset")
                     pool.pop(b)
@@ -1109,7 +1111,8 @@ class KittyCache(Cache):
         self.counters = None
         self._layout = None  # the state's addresses the counters' CUDA graphs were recorded against
         self.softcap = softcapping(model.config)
-        layers = [KittyLayer(self.config, self.engine, i, max_length, owner=self, window=w) for i, w in enumerate(windows)]
+        layers = [KittyLayer(self.config, self.engine, i, max_length, owner=self, window=w)
+                  for i, w in enumerate(windows)]
         layers[-1].last = True
         for layer in layers:
             layer.softcap = self.softcap

@@ -98,13 +98,15 @@ def _build(name):
             "qwen3_next", **{**TINY, **MOE}, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16))
     if name == "lfm2":  # convolution layers
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model("lfm2", **TINY, layer_types=["conv", "full_attention"]))
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            "lfm2", **TINY, layer_types=["conv", "full_attention"]))
     raise KeyError(name)
 
 
 REFUSED = {
     "falcon": "FalconForCausalLM (falcon) is not supported by KittyCache: its attention code calls SDPA",
-    "deepseek_v3": "DeepseekV3ForCausalLM (deepseek_v3) is not supported by KittyCache: it uses multi-head latent attention",
+    "deepseek_v3": "DeepseekV3ForCausalLM (deepseek_v3) is not supported by KittyCache: it uses multi-head latent "
+                   "attention",
     "t5": "T5ForConditionalGeneration (t5) is not supported by KittyCache: it is an encoder-decoder model",
     "mllama": "MllamaForCausalLM (mllama_text_model) is not supported by KittyCache: it has cross-attention layers",
     "qwen3_next": "Qwen3NextForCausalLM (qwen3_next) is not supported by KittyCache: qwen3_next has layers of type "

@@ -378,8 +378,8 @@ def _same_state(a, b):
 @pytest.mark.parametrize("padded", [False, True])
 def test_crop_rolls_a_forward_back_as_if_it_had_been_shorter(spec, padded):
     """A forward of 6 tokens that packs a page (of keys; of values too without a local window), cut
-    back by 4 under past recording (into that page: tokens 19-22 of a page of 12-19 and a q-buffer), leaves what a forward of its first 2 tokens leaves: same bytes,
-    pages, histories, then the same after more steps; the reopened page's slot is reused. Without
+    back by 4 under past recording (into that page: tokens 19-22 of a page of 12-19 and a q-buffer),
+    leaves what a forward of its first 2 tokens leaves: same bytes, pages, histories, then the same after more steps; the reopened page's slot is reused. Without
     past recording a packed token cannot come back: a clear error."""
     torch.manual_seed(0)
     batch = 2 if padded else 1
@@ -446,8 +446,9 @@ def test_crop_ends_device_steps_and_they_begin_again():
             assert (cache.layers[0].steps is not None) == device_steps
             cache.crop(-2)
             assert cache.layers[0].steps is None and cache.get_seq_length() == 33
-            out = model.generate(input_ids=torch.cat([ids, ids[:, :4]], 1), attention_mask=torch.ones(1, 34, dtype=torch.long),
-                                 past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            turn = torch.cat([ids, ids[:, :4]], 1)
+            out = model.generate(input_ids=turn, attention_mask=torch.ones_like(turn), past_key_values=cache,
+                                 max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert (cache.layers[0].steps is not None) == device_steps
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
