@@ -1162,12 +1162,12 @@ class KittyCache(Cache):
             return "it is empty: prefill it first"
         if not self.config.quantize or not getattr(self.engine, "device_steps", False):
             return f"the {self.engine.name!r} engine attends from host state; the Triton engine (CUDA) can"
-        if any(layer.is_sliding for layer in self.layers):
-            return ("this model has sliding-window layers, which the Triton kernels do not take (they attend to every "
-                    "token a layer holds): its steps attend through the reference path")
         if self.softcap:
             return (f"this model softcaps its attention logits (at {self.softcap}), which the Triton kernels do not: "
                     "its steps attend through the reference path")
+        if any(layer.is_sliding for layer in self.layers):
+            return ("this model has sliding-window layers, which the Triton kernels do not take (they attend to every "
+                    "token a layer holds): its steps attend through the reference path")
         if not self.engine.takes(first, self.q_heads, first.device.type == "cuda"):
             return (f"the Triton kernels do not take this shape (page size {self.config.group_size}, head size "
                     f"{first.head_dim}: powers of two >= 64 on a GPU), so its steps attend from host state")
