@@ -11,15 +11,16 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {"KittyCache": "cache", "KittyConfig": "config", "PRESETS": "config", "parse_method": "config",
             "load_model": "models", "LoadedModel": "models", "ModelLoadError": "models",
-            "shipped_text": "texts"}
+            "shipped_text": "texts", "UnsupportedModelError": "hf"}
 
 __all__ = ["KittyCache", "KittyConfig", "PRESETS", "parse_method", "load_model", "LoadedModel", "ModelLoadError",
-           "shipped_text"]
+           "shipped_text", "UnsupportedModelError"]
 
 if TYPE_CHECKING:
     from .cache import KittyCache
     from .config import PRESETS, KittyConfig, parse_method
     from .models import LoadedModel, ModelLoadError, load_model
+    from .hf import UnsupportedModelError
     from .texts import shipped_text
 
 

@@ -33,7 +33,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import calibrate, ops
 from .config import KittyConfig, parse_method
 from .graphs import StepCounters
-from .hf import PendingKV, base_attention, enable_kitty_attention, model_shape, num_attention_layers, softcapping
+from .hf import (
+    PendingKV,
+    base_attention,
+    check_supported,
+    enable_kitty_attention,
+    layer_windows,
+    model_shape,
+    softcapping,
+)
 from .quant import (
     KeyPages,
     ValuePages,
@@ -105,6 +113,17 @@ class Fp16Region:
     def clear(self, b: int) -> None:
         self.lens[b] = 0
 
+    def drop_oldest(self, b: int | None, n: int) -> None:
+        """Drop the n oldest tokens of sequence b (None: of every sequence, which hold the same count);
+        the rest move to the region's start."""
+        rows = slice(None) if b is None else b
+        held = self.lens[0 if b is None else b]
+        self.buf[rows, :, : held - n] = self.buf[rows, :, n:held].clone()
+        if b is None:
+            self.lens = [held - n] * len(self.lens)
+        else:
+            self.lens[b] = held - n
+
     def clear_all(self) -> None:
         self.lens = [0] * len(self.lens)
 
@@ -132,7 +151,8 @@ class PagePool:
     def __init__(self, kind: type, batch: int, device, width: int = 16):
         self.kind = kind
         self.store: dict[str, torch.Tensor] | None = None
-        self.count = 0
+        self.count = 0  # slots of the store ever used; those in `free` are held by no sequence
+        self.free: list[int] = []  # slots of pages dropped (a crop, a sliding window), reused first
         self.n = np.zeros(batch, dtype=np.int64)
         self.ids = np.zeros((batch, width), dtype=np.int32)
         self.device_n = torch.zeros(batch, dtype=torch.int32, device=device)
@@ -163,11 +183,11 @@ class PagePool:
 
     def add(self, b: int, pages: KeyPages | ValuePages) -> None:
         """pages [n, ...]: n new pages for sequence b."""
-        n = self._store(pages)
-        first, at = self.count - n, int(self.n[b])
+        ids = self._store(pages)
+        n, at = len(ids), int(self.n[b])
         self._room(at + n)
-        self.ids[b, at : at + n] = np.arange(first, self.count)
-        self.device_ids[b, at : at + n] = torch.arange(first, self.count, dtype=torch.int32, device=self.device_ids.device)
+        self.ids[b, at : at + n] = ids
+        self.device_ids[b, at : at + n] = self._on_device(ids)
         self.n[b] += n
         self.device_n[b] += n
 
@@ -177,12 +197,11 @@ class PagePool:
         batch, at = len(self.n), int(self.n[0])
         if (self.n != at).any():
             raise RuntimeError("add_all needs every sequence at the same page count; use add_rows")
-        per = self._store(pages) // batch
-        first = self.count - per * batch
+        ids = self._store(pages)
+        per = len(ids) // batch
         self._room(at + per)
-        self.ids[:, at : at + per] = first + np.arange(batch * per, dtype=np.int32).reshape(batch, per)
-        self.device_ids[:, at : at + per] = first + torch.arange(
-            batch * per, dtype=torch.int32, device=self.device_ids.device).reshape(batch, per)
+        self.ids[:, at : at + per] = ids.reshape(batch, per)
+        self.device_ids[:, at : at + per] = self._on_device(ids).reshape(batch, per)
         self.n += per
         self.device_n += per
 
@@ -190,29 +209,57 @@ class PagePool:
         """pages [len(rows), ...]: one new page for each listed sequence (distinct)."""
         if not len(rows):
             return
-        n = self._store(pages)
+        ids = self._store(pages)
         rows_h = np.asarray(rows)
         at = self.n[rows_h]
         self._room(int(at.max()) + 1)
-        ids = np.arange(self.count - n, self.count, dtype=np.int32)
         self.ids[rows_h, at] = ids
         dev = self.device_ids.device
         rows_d = torch.from_numpy(rows_h).to(dev, non_blocking=True)
-        self.device_ids[rows_d, torch.from_numpy(at).to(dev, non_blocking=True)] = torch.from_numpy(ids).to(dev)
+        self.device_ids[rows_d, torch.from_numpy(at).to(dev, non_blocking=True)] = self._on_device(ids)
         self.n[rows_h] += 1
         self.device_n[rows_d] += 1
 
-    def _store(self, pages: KeyPages | ValuePages) -> int:
+    def _store(self, pages: KeyPages | ValuePages) -> np.ndarray:
+        """Store pages [n, ...] in free slots first, then new ones; their slot ids (int32 [n])."""
         n = next(iter(vars(pages).values())).shape[0]
         if self.store is None:
             self.store = {f.name: self._zeros(f.name, getattr(pages, f.name), 0) for f in fields(pages)}
+        reused, self.free = self.free[:n], self.free[n:]
+        fresh = n - len(reused)
         cap = next(iter(self.store.values())).shape[0]
-        if self.count + n > cap:
-            self._grow(max(self.count + n, 2 * cap, 4))
+        if self.count + fresh > cap:
+            self._grow(max(self.count + fresh, 2 * cap, 4))
+        ids = np.array(reused + list(range(self.count, self.count + fresh)), dtype=np.int32)
+        where = slice(self.count, self.count + n) if not reused else torch.from_numpy(ids).to(self.device_ids.device)
         for f in fields(pages):
-            self.store[f.name][self.count : self.count + n] = getattr(pages, f.name)
-        self.count += n
-        return n
+            self.store[f.name][where] = getattr(pages, f.name)
+        self.count += fresh
+        return ids
+
+    def _on_device(self, ids: np.ndarray) -> torch.Tensor:
+        """Slot ids on the device; a run of new slots is made there (no copy from the host)."""
+        dev = self.device_ids.device
+        if len(ids) and ids[-1] - ids[0] == len(ids) - 1 and (np.diff(ids) == 1).all():
+            return torch.arange(int(ids[0]), int(ids[-1]) + 1, dtype=torch.int32, device=dev)
+        return torch.from_numpy(ids).to(dev)
+
+    def drop_oldest(self, b: int | None, k: int) -> None:
+        """Drop the k oldest pages of sequence b (None: of every sequence, which hold the same count);
+        their slots go back to the pool."""
+        rows = slice(None) if b is None else b
+        n = int(self.n[0 if b is None else b])
+        self.free += self.ids[rows, :k].flatten().tolist()
+        self.ids[rows, : n - k] = self.ids[rows, k:n].copy()
+        self.device_ids[rows, : n - k] = self.device_ids[rows, k:n].clone()
+        self.n[rows] -= k
+        self.device_n[rows] -= k
+
+    def pop(self, b: int) -> None:
+        """Drop sequence b's newest page; its slot goes back to the pool."""
+        self.n[b] -= 1
+        self.device_n[b] -= 1
+        self.free.append(int(self.ids[b, self.n[b]]))
 
     def pages(self, b: int, first: int = 0) -> KeyPages | ValuePages | None:
         """Pages first, first+1, ... of sequence b, gathered (None if there are none)."""
@@ -248,7 +295,7 @@ class PagePool:
         if self.store is None:
             return {f.name: 0 for f in fields(self.kind)}
         per_page = page_nbytes(self.kind(**{k: v[:1] for k, v in self.store.items()}))
-        return {name: per_page[name] * self.count for name in per_page}
+        return {name: per_page[name] * (self.count - len(self.free)) for name in per_page}
 
 
 class ReferenceEngine:
@@ -311,10 +358,21 @@ class KittyLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
+    is_croppable = True  # crop rolls back a forward's tokens exactly (see `crop`)
 
     def __init__(self, config: KittyConfig, engine, layer_idx: int = 0, max_length: int | None = None,
-                 owner: "KittyCache | None" = None):
+                 owner: "KittyCache | None" = None, window: int | None = None):
+        """`window`: the layer's sliding window W (None: full attention). A sliding layer keeps only what
+        its window can still attend to (each sequence's newest W - 1 tokens, page-granular): no FP16 sink
+        (its first tokens leave the window like any other), pages dropped once wholly outside, and
+        every token in FP16 (trimmed each step, as DynamicCache keeps it) when W is no longer than a
+        page, where no page would ever fill inside the window."""
         super().__init__()
+        if window is not None:
+            config = config.replace(sink=0) if config.quantize and window > config.group_size else KittyConfig(
+                quantize=False)
+        self.window = window
+        self.is_sliding = window is not None
         self.config = config
         self.engine = engine
         self.layer_idx = layer_idx
@@ -327,6 +385,8 @@ class KittyLayer(CacheLayerMixin):
         self.boost = None  # key channels its pages boost, where an allocation sets them (else the config's rate)
         self.last = owner is None  # the model's last attention layer: it ends a device-driven step
         self.generator = torch.Generator().manual_seed(config.seed * 100_003 + layer_idx)
+        self.record_past = False  # keep what `crop` needs to reopen a page the latest forward packed
+        self._packed = {"k": {}, "v": {}}  # side -> {sequence (None: all): (page index, FP16 source [.., H, G, D])}
 
     # -- transformers CacheLayerMixin -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -338,6 +398,8 @@ class KittyLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.n_boost = c.boosted_channels(d) if self.boost is None else self.boost
         self.pad = [0] * b
+        # the oldest real tokens of each sequence a sliding layer no longer holds: keys, values
+        self.dropped = np.zeros((2, b), dtype=np.int64)
         mk = lambda cap, grow=False: Fp16Region(b, h, d, self.dtype, self.device, cap, grow)  # noqa: E731
         if not c.quantize:  # FP16 reference: one growing region per side, nothing else
             self.k_sink, self.v_sink = mk(64, True), mk(64, True)
@@ -363,6 +425,11 @@ class KittyLayer(CacheLayerMixin):
         """Defer: attention (hf.kitty_attention) inserts the new tokens after it has used them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.batch:
+            raise ValueError(
+                f"this KittyCache holds {self.batch} sequence(s) and the input has {key_states.shape[0]}: a KittyCache "
+                "holds one batch's conversation, so new prompts need a new cache (past_key_values=KittyCache(model, "
+                "method) for each call)")
         return PendingKV(self, key_states), value_states
 
     def get_seq_length(self) -> int:
@@ -385,6 +452,102 @@ class KittyLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError("KittyCache does not support beam search; use greedy decoding or sampling")
+
+    def activate_past_recording(self) -> None:
+        """From now on keep the FP16 source of the newest page each forward packs, until the next forward
+        or crop, so that `crop` can reopen it (speculative decoding calls this before it starts)."""
+        self.record_past = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove each sequence's newest tokens, as transformers' caches do for speculative decoding:
+        a negative count removes that many, a positive one is the length to keep (the older spelling),
+        0 removes nothing. Tokens in FP16 parts go as they are; a page that the latest forward packed
+        is reopened from its FP16 source when past recording is on (its slot goes back to the pool),
+        so a rollback leaves the state the shorter forward would have left. Anything older than the
+        latest forward that is packed cannot be unpacked exactly: ValueError saying what to do.
+        Query statistics (selection="qk") keep the rolled-back queries."""
+        tokens_to_remove = int(tokens_to_remove)  # generate passes a 0-d tensor
+        if tokens_to_remove > 0:
+            tokens_to_remove = min(tokens_to_remove - self.seen, 0)
+        remove = -tokens_to_remove
+        if remove and self.is_initialized:
+            if remove > self.seen:
+                raise ValueError(f"cannot remove {remove} tokens from a cache of {self.seen}")
+            owner = self.owner()
+            if self.steps is not None and owner is not None:  # the host's record is exact: steps begin anew later
+                owner.end_device_steps()
+            for b in range(self.batch):
+                self._remove_newest(b, min(remove, self.tokens(b)))
+            self.seen -= remove
+            self.pad = [min(p, self.seen) for p in self.pad]
+        if tokens_to_remove == 0 or remove:
+            self._packed = {"k": {}, "v": {}}
+            if self.window is not None and self.is_initialized:  # what only the rolled-back queries saw goes
+                self._slide()
+
+    def _remove_newest(self, b: int, n: int) -> None:
+        """Take sequence b's newest n real tokens out of both sides."""
+        c = self.config
+        start = self.tokens(b) - n
+        self._dirty(b, start)
+        for side, sink, pool, tail in (("k", self.k_sink, self.k_pages, self.k_buffer),
+                                       ("v", self.v_sink, self.v_pages, self.v_window)):
+            left, base = n, int(self.dropped[int(side == "v"), b])
+            if tail is not None:
+                cut = min(left, tail.lens[b])
+                tail.lens[b] -= cut
+                left -= cut
+                while left and pool.pages_of(b):
+                    at = pool.pages_of(b) - 1
+                    src = self._packed_source(side, b, at)
+                    if src is None:
+                        bits = c.key_bits if side == "k" else c.value_bits
+                        raise ValueError(
+                            f"cannot remove the newest {n} tokens: {left} of them are in a {bits}-bit page"
+                            " that was packed before the latest forward (or without past recording) and "
+                            "cannot be unpacked exactly; call cache.activate_past_recording() before the forward "
+                            "to roll back, crop only within the latest forward's tokens, or use the fp16 preset")
+                    pool.pop(b)
+                    self._dirty(b, base + sink.lens[b] + at * c.group_size)
+                    keep = max(c.group_size - left, 0)
+                    left -= c.group_size - keep
+                    tail.append(b, src[:, :keep])  # the tail is empty here: the page's kept tokens are the newest
+                # values leave the window for a page only once R newer ones follow: with fewer, the
+                # pages that the forward packed too early open again
+                while side == "v" and tail.lens[b] < c.local_window and pool.pages_of(b):
+                    at = pool.pages_of(b) - 1
+                    src = self._packed_source(side, b, at)
+                    if src is None:
+                        break
+                    pool.pop(b)
+                    self._dirty(b, base + sink.lens[b] + at * c.group_size)
+                    newer = tail.tokens(b).clone()
+                    tail.clear(b)
+                    tail.append(b, src)
+                    tail.append(b, newer)
+            if left > sink.lens[b]:
+                raise RuntimeError("crop: the cache state machine is inconsistent")
+            sink.lens[b] -= left
+
+    def _record_packed(self, side: str, rows, src: torch.Tensor, pages_held: int) -> None:
+        """While past recording is on: the FP16 source [.., H, n * G, D] of the n pages just packed for
+        sequence `rows` (None: every sequence, src [B, H, n * G, D]), which now holds `pages_held`.
+        The newest pages only: as many as a rollback can reopen (one key page; values: the pages that
+        a local window of R can take back, and one)."""
+        if self.record_past:
+            g = self.config.group_size
+            keep = min(src.shape[-2] // g, 1 if side == "k" else 1 + -(-self.config.local_window // g))
+            self._packed[side][rows] = (pages_held - keep, src[..., src.shape[-2] - keep * g :, :].clone())
+
+    def _packed_source(self, side: str, b: int, at: int) -> torch.Tensor | None:
+        """The FP16 source [H, G, D] of page `at` of sequence b, if the latest forward packed it and it was recorded."""
+        g = self.config.group_size
+        for rows in (b, None):
+            held = self._packed[side].get(rows)
+            if held is not None and held[0] <= at < held[0] + held[1].shape[-2] // g:
+                src = held[1] if rows is not None else held[1][b]
+                return src[:, (at - held[0]) * g : (at - held[0] + 1) * g]
+        return None
 
     # -- the state machine -----------------------------------------------------------------------
     def tokens(self, b: int) -> int:
@@ -425,6 +588,9 @@ class KittyLayer(CacheLayerMixin):
             self._extend_padding(attention_mask, t)
         if self.config.selection == "qk":
             self._track_queries(query)
+        if self.window is not None:  # the kernels take no window: a sliding layer attends through the reference path
+            return ReferenceEngine.attend(self.engine, self, module, query, key_new, value_new, attention_mask, scaling,
+                                          **kwargs)
         return self.engine.attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
 
     def insert(self, key_new: torch.Tensor, value_new: torch.Tensor, pack: bool = True) -> None:
@@ -435,6 +601,10 @@ class KittyLayer(CacheLayerMixin):
         tensor operations (one page per sequence packed in one call). In a padded batch the sequences
         are in different states: a decode token is written to each sequence's own region and position
         in one indexed write; a prefill goes sequence by sequence."""
+        self._packed = {"k": {}, "v": {}}  # a rollback reaches back to the latest forward only
+        t = key_new.shape[2]
+        if self.window is not None and t > 1 and not any(self.pad):
+            key_new, value_new = self._skip_out_of_window(key_new, value_new)
         if not any(self.pad):
             self._insert_all(key_new, value_new, pack)
         elif self.seen and key_new.shape[2] == 1 and not pack:
@@ -443,7 +613,57 @@ class KittyLayer(CacheLayerMixin):
             for b in range(self.batch):
                 skip = min(max(self.pad[b] - self.seen, 0), key_new.shape[2])  # pads of this chunk
                 self._insert(b, key_new[b, :, skip:], value_new[b, :, skip:], pack)
-        self.seen += key_new.shape[2]
+        self.seen += t
+        if self.window is not None:  # under past recording, what the latest forward's queries saw stays until a crop
+            self._slide(key_new.shape[2] if self.record_past else 0)
+
+    def _skip_out_of_window(self, key_new, value_new):
+        """A sliding layer's chunk (no pads) that ends past the window of everything held: the held
+        tokens and the chunk's first ones are out of it once the chunk is in, so they are dropped now
+        and never stored (a long prompt is not packed to be dropped), down to a page boundary. The rest
+        of the chunk, returned."""
+        slack = key_new.shape[2] if self.record_past else 0
+        skip = key_new.shape[2] - (self.window - 1) - slack
+        if self.config.quantize:  # whole pages: key pages keep the boundaries they would have had
+            skip = (self.seen + skip) // self.config.group_size * self.config.group_size - self.seen
+        if skip <= 0:
+            return key_new, value_new
+        for pool in (self.k_pages, self.v_pages):
+            if pool.pages_of(0):
+                pool.drop_oldest(None, pool.pages_of(0))
+        for region in (self.k_sink, self.v_sink, self.k_buffer, self.v_window):
+            if region is not None:
+                region.clear_all()
+        self.dropped[:] = self.seen + skip
+        return key_new[:, :, skip:], value_new[:, :, skip:]
+
+    def _slide(self, slack: int = 0) -> None:
+        """Drop what no later query of this sliding layer can attend: each sequence keeps its newest
+        W - 1 real tokens (and `slack` more), down to whole pages (a page goes when all its tokens are
+        out; the FP16 tail is trimmed once no page is left before it)."""
+        w, g = self.window, self.config.group_size
+        lockstep = not any(self.pad) and (self.dropped == self.dropped[:, :1]).all()
+        for b in [None] if lockstep else range(self.batch):
+            i = 0 if b is None else b
+            keep_from = self.tokens(i) - (w - 1) - slack
+            for side, (sink, pool, tail) in enumerate(((self.k_sink, self.k_pages, self.k_buffer),
+                                                       (self.v_sink, self.v_pages, self.v_window))):
+                cut = keep_from - int(self.dropped[side, i])
+                if cut <= 0:
+                    continue
+                if tail is None:  # every token in FP16, in the "sink" region
+                    sink.drop_oldest(b, cut)
+                else:
+                    pages = min(cut // g, pool.pages_of(i))
+                    if pages:
+                        pool.drop_oldest(b, pages)
+                    cut -= pages * g
+                    if pool.pages_of(i):
+                        cut = 0  # the oldest page still holds tokens inside the window
+                    if cut > 0:
+                        tail.drop_oldest(b, cut)
+                    cut += pages * g
+                self.dropped[side, slice(None) if b is None else b] += cut
 
     def pack_full(self) -> None:
         """Pack every key q-buffer that holds G tokens, and the oldest G values of every full window."""
@@ -465,7 +685,7 @@ class KittyLayer(CacheLayerMixin):
         if keys:  # one page for each of these sequences, packed in one call
             dev = self.device
             for b in keys:
-                self._dirty(b, self.k_sink.lens[b] + self.k_pages.pages_of(b) * g)
+                self._dirty(b, self.dropped[0, b] + self.k_sink.lens[b] + self.k_pages.pages_of(b) * g)
             rms = None
             if c.selection == "qk":
                 idx = torch.tensor(keys, device=dev)
@@ -477,7 +697,7 @@ class KittyLayer(CacheLayerMixin):
         if values:  # the oldest G values of each full window become a page; the newest R move up
             idx = torch.tensor(values, device=self.device)
             for b in values:
-                self._dirty(b, self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
+                self._dirty(b, self.dropped[1, b] + self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
             window = self.v_window.buf[idx]  # [n, H, R + G, D]
             self.v_pages.add_rows(values, self.engine.quantize_values(window[:, :, :g], c.value_bits))
             self.v_window.buf[idx, :, :r] = window[:, :, g:]
@@ -517,6 +737,7 @@ class KittyLayer(CacheLayerMixin):
         window (the Triton engine's kernels do, at the counters' positions); packs what became full.
         True if it packed."""
         c = self.config
+        self._packed = {"k": {}, "v": {}}
         self.seen += 1
         self.k_buffer.lens = [n + 1 for n in self.k_buffer.lens]
         self.v_window.lens = [n + 1 for n in self.v_window.lens]
@@ -594,19 +815,21 @@ class KittyLayer(CacheLayerMixin):
             self.k_buffer.clear(b)
         full = k.shape[1] // g * g
         if full:
-            self._dirty(b, self.k_sink.lens[b] + self.k_pages.pages_of(b) * g)
+            self._dirty(b, self.dropped[0, b] + self.k_sink.lens[b] + self.k_pages.pages_of(b) * g)
             pages = k[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)  # [N, H, G, D]
             self.k_pages.add(b, self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator,
                                                           self._query_rms(b)))
+            self._record_packed("k", b, k[:, :full], self.k_pages.pages_of(b))
         self.k_buffer.append(b, k[:, full:])
         # values: the window keeps the newest R; older ones wait in the q_buffer until G of them
         window = torch.cat([self.v_window.tokens(b), v], dim=1)
         self.v_window.clear(b)
         full = max(window.shape[1] - c.local_window, 0) // g * g
         if full:
-            self._dirty(b, self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
+            self._dirty(b, self.dropped[1, b] + self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
             pages = window[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)
             self.v_pages.add(b, self.engine.quantize_values(pages, c.value_bits))
+            self._record_packed("v", b, window[:, :full], self.v_pages.pages_of(b))
         self.v_window.append(b, window[:, full:])
 
     def _insert_all(self, k: torch.Tensor, v: torch.Tensor, pack: bool = True) -> None:
@@ -629,13 +852,15 @@ class KittyLayer(CacheLayerMixin):
             return x.reshape(bsz, h, -1, g, d).transpose(1, 2).reshape(-1, h, g, d)
 
         def pack_keys(x):
-            self._dirty_all(self.k_sink.lens[0] + self.k_pages.pages_of(0) * g)
+            self._dirty_all(self.dropped[0, 0] + self.k_sink.lens[0] + self.k_pages.pages_of(0) * g)
             rms = self._query_rms_all(x.shape[2] // g)
             self.k_pages.add_all(self.engine.quantize_keys(as_pages(x), self.n_boost, c.selection, self.generator, rms))
+            self._record_packed("k", None, x, self.k_pages.pages_of(0))
 
         def pack_values(x):
-            self._dirty_all(self.v_sink.lens[0] + self.v_pages.pages_of(0) * g)
+            self._dirty_all(self.dropped[1, 0] + self.v_sink.lens[0] + self.v_pages.pages_of(0) * g)
             self.v_pages.add_all(self.engine.quantize_values(as_pages(x), c.value_bits))
+            self._record_packed("v", None, x, self.v_pages.pages_of(0))
 
         _fill_and_pack(self.k_buffer, k, 0, g, pack_keys)  # keys: every G tokens become a page
         _fill_and_pack(self.v_window, v, c.local_window, g, pack_values)  # values: the newest R stay
@@ -690,14 +915,14 @@ class KittyLayer(CacheLayerMixin):
         """Keys and values [H, n_b - start, D] of sequence b from token `start` on, as attention sees
         them: FP16 parts as stored, pages dequantized (only the pages that reach past `start`)."""
         c = self.config
-        n_sink = self.k_sink.lens[b]
-        keys = [(0, self.k_sink.tokens(b))]
-        values = [(0, self.v_sink.tokens(b))]
+        dk, dv = (int(x) for x in self.dropped[:, b])  # a sliding layer's tokens before these are gone (zeros)
+        keys = [(dk, self.k_sink.tokens(b))]
+        values = [(dv, self.v_sink.tokens(b))]
         if c.quantize:
             g = c.group_size
-            for parts, pool, tail, dequant in ((keys, self.k_pages, self.k_buffer, dequantize_keys),
-                                               (values, self.v_pages, self.v_window, dequantize_values)):
-                n_pages = pool.pages_of(b)
+            for parts, pool, tail, dequant, base in ((keys, self.k_pages, self.k_buffer, dequantize_keys, dk),
+                                                     (values, self.v_pages, self.v_window, dequantize_values, dv)):
+                n_sink, n_pages = base + parts[0][1].shape[-2], pool.pages_of(b)
                 first = max(start - n_sink, 0) // g if start > n_sink else 0
                 if first < n_pages:
                     parts.append((n_sink + first * g, _flatten_pages(dequant(pool.pages(b, first), dtype))))
@@ -709,14 +934,14 @@ class KittyLayer(CacheLayerMixin):
         batch without padding (every sequence holds the same tokens in the same places): one page
         gather and one dequantization for the block instead of one per sequence."""
         c = self.config
-        n_sink = self.k_sink.lens[0]
-        keys = [(0, self.k_sink.buf[rows, :, :n_sink])]
-        values = [(0, self.v_sink.buf[rows, :, :n_sink])]
+        dk, dv = (int(x) for x in self.dropped[:, 0])  # the same in every sequence here
+        keys = [(dk, self.k_sink.buf[rows, :, : self.k_sink.lens[0]])]
+        values = [(dv, self.v_sink.buf[rows, :, : self.v_sink.lens[0]])]
         if c.quantize:
             g = c.group_size
-            for parts, pool, tail, dequant in ((keys, self.k_pages, self.k_buffer, dequantize_keys),
-                                               (values, self.v_pages, self.v_window, dequantize_values)):
-                n_pages = pool.pages_of(0)
+            for parts, pool, tail, dequant, base in ((keys, self.k_pages, self.k_buffer, dequantize_keys, dk),
+                                                     (values, self.v_pages, self.v_window, dequantize_values, dv)):
+                n_sink, n_pages = base + parts[0][1].shape[-2], pool.pages_of(0)
                 first = max(start - n_sink, 0) // g if start > n_sink else 0
                 if first < n_pages:
                     ids = pool.device_ids[rows, first:n_pages].flatten()
@@ -784,6 +1009,10 @@ class KittyLayer(CacheLayerMixin):
             parts["key scales/zeros"] = k["scale"] + k["zero"]
             parts["value planes"] = v["low"] + v["high"]
             parts["value scales/zeros"] = v["scale"] + v["zero"]
+        if self.window is not None:
+            if not self.config.quantize:  # every token in FP16 (the "sink" region holds them all)
+                parts = {"keys": parts["key sink"], "values": parts["value sink"]}
+            parts = {f"{SLIDING}{part}": n for part, n in parts.items() if not part.endswith(" sink") or n}
         return parts
 
 
@@ -807,8 +1036,13 @@ def _fill_and_pack(region: Fp16Region, new: torch.Tensor, keep: int, g: int, pac
 
 
 def _join_from(parts: list[tuple[int, torch.Tensor]], start: int, dtype) -> torch.Tensor:
-    """Concatenate (first_token, [..., H, n, D]) parts along tokens, keeping tokens from `start` on."""
+    """Concatenate (first_token, [..., H, n, D]) parts along tokens, keeping tokens from `start` on;
+    tokens before the first part (dropped by a sliding window, never attended again) read as zeros."""
     kept = [x[..., max(start - first, 0):, :] for first, x in parts if first + x.shape[-2] > start]
+    gone = parts[0][0] - start
+    if gone > 0:
+        x = parts[0][1]
+        kept.insert(0, x.new_zeros((*x.shape[:-2], gone, x.shape[-1])))
     return torch.cat(kept, dim=-2).to(dtype) if kept else parts[0][1][..., :0, :].to(dtype)
 
 
@@ -823,12 +1057,14 @@ _LEFT_PADDING = ("KittyCache expects left padding (pads first, then the real tok
 
 
 def leading_pads(mask: torch.Tensor | None, batch: int, length: int) -> list[int]:
-    """Pads at the start of each sequence's `length` new tokens, from the 4D mask of a prefill (its
-    last query row sees every real token). All `length` may be pads (a chunk of a longer prompt);
-    a pad after a real token is an error."""
+    """Pads at the start of each sequence's `length` new tokens, from the 4D mask of a prefill: the
+    diagonal of its last `length` columns, where a real token sees itself and a pad is masked (the last
+    row would not do: a sliding window hides real tokens from it). All `length` may be pads (a chunk
+    of a longer prompt); a pad after a real token is an error."""
     if mask is None:
         return [0] * batch
-    row = mask[:, 0, -1, -length:]
+    n = torch.arange(length, device=mask.device)
+    row = mask[:, 0, n - length + mask.shape[2], n - length + mask.shape[3]]  # [B or 1, length]
     allowed = row if row.dtype == torch.bool else row == 0
     allowed = allowed.expand(batch, length).cpu()
     pads = []
@@ -838,6 +1074,13 @@ def leading_pads(mask: torch.Tensor | None, batch: int, length: int) -> list[int
             raise ValueError(_LEFT_PADDING)
         pads.append(n_pad)
     return pads
+
+
+SLIDING = "sliding window: "  # the memory report's parts of sliding-window layers
+_STORED_AS = {  # what the packed parts are (quant.py); every other part holds the model's dtype
+    "key dense plane": "2-bit codes", "key high plane": "2-bit codes", "value planes": "2-bit codes",
+    "key boost index": "channel index", "key scales/zeros": "float16", "value scales/zeros": "float16",
+}
 
 
 class KittyCache(Cache):
@@ -859,6 +1102,7 @@ class KittyCache(Cache):
         keeps every step on the host's record (eager only, as the reference engine runs).
         `fp16_layers`: indices of layers kept wholly in FP16 while the others use `method`, to see
         which layers a method's error comes from; such a cache steps from the host's record."""
+        check_supported(model)
         self.config = parse_method(method)
         fp16_layers = set(fp16_layers)
         self.device_steps = device_steps and not fp16_layers
@@ -866,7 +1110,8 @@ class KittyCache(Cache):
             engine = "triton" if _on_cuda(model) and "triton" in available_engines() else "reference"
         self.engine = make_engine(engine)
         enable_kitty_attention(model)
-        n = num_attention_layers(model.config)
+        windows = layer_windows(model.config)
+        n = len(windows)
         if not fp16_layers <= set(range(n)):
             raise ValueError(f"fp16_layers must be layer indices in [0, {n - 1}], got {sorted(fp16_layers)}")
         self.q_heads = model_shape(model.config)["q_heads"]
@@ -874,8 +1119,8 @@ class KittyCache(Cache):
         self._layout = None  # the state's addresses the counters' CUDA graphs were recorded against
         self.softcap = softcapping(model.config)
         fp16 = parse_method("fp16")
-        layers = [KittyLayer(fp16 if i in fp16_layers else self.config, self.engine, i, max_length, owner=self)
-                  for i in range(n)]
+        layers = [KittyLayer(fp16 if i in fp16_layers else self.config, self.engine, i, max_length, owner=self,
+                             window=w) for i, w in enumerate(windows)]
         layers[-1].last = True
         for layer in layers:
             layer.softcap = self.softcap
@@ -892,10 +1137,12 @@ class KittyCache(Cache):
     def is_compileable(self) -> bool:
         """Can `generate` compile the decode step? On an engine that steps from device counters."""
         return (self.device_steps and self.config.quantize and getattr(self.engine, "device_steps", False)
-                and not self.softcap)
+                and not self.softcap and not any(layer.is_sliding for layer in self.layers))
 
     def memory_report(self) -> pd.DataFrame:
-        """Stored bytes by part, summed over layers, with bytes per real token."""
+        """Stored bytes by part, summed over layers, with bytes per real token and what each part is
+        stored as: the FP16 parts (and every token of the "fp16" preset) hold the model's own dtype,
+        float32 for a model loaded in fp32, twice an FP16 cache's bytes."""
         totals: dict[str, int] = {}
         for layer in self.layers:
             if layer.is_initialized:
@@ -904,6 +1151,8 @@ class KittyCache(Cache):
         tokens = sum(self.layers[0].tokens(b) for b in range(self.layers[0].batch)) if self.is_initialized else 0
         df = pd.DataFrame({"part": list(totals), "bytes": list(totals.values())})
         df["bytes_per_token"] = df["bytes"] / max(tokens, 1)
+        dtype = str(self.layers[0].dtype).removeprefix("torch.") if self.is_initialized else None
+        df["stored_as"] = [_STORED_AS.get(part.removeprefix(SLIDING), dtype) for part in df["part"]]
         return df
 
     def nbytes(self) -> int:
@@ -913,8 +1162,8 @@ class KittyCache(Cache):
         """Decode steps (one token per sequence) until the one that packs pages: 1 if the next step
         does. None for a cache that never packs (FP16) or a padded batch, whose sequences pack at
         different steps."""
-        first = self.layers[0]
-        c = self.config
+        first = next((layer for layer in self.layers if not layer.is_sliding), self.layers[0])
+        c = first.config
         if not c.quantize or not first.is_initialized or any(first.pad) or min(first.k_sink.lens) < c.sink:
             return None
         return min(c.group_size - first.k_buffer.lens[0], c.local_window + c.group_size - first.v_window.lens[0])
@@ -931,6 +1180,9 @@ class KittyCache(Cache):
         if self.softcap:
             return (f"this model softcaps its attention logits (at {self.softcap}), which the Triton kernels do not: "
                     "its steps attend through the reference path")
+        if any(layer.is_sliding for layer in self.layers):
+            return ("this model has sliding-window layers, which the Triton kernels do not take (they attend to every "
+                    "token a layer holds): its steps attend through the reference path")
         if not self.engine.takes(first, self.q_heads, first.device.type == "cuda"):
             return (f"the Triton kernels do not take this shape (page size {self.config.group_size}, head size "
                     f"{first.head_dim}: powers of two >= 64 on a GPU), so its steps attend from host state")

@@ -21,6 +21,7 @@ import weakref
 
 import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
@@ -68,7 +69,19 @@ def base_attention(module):
 def kitty_mask(*args, config=None, **kwargs):
     """The mask of the attention the model ran before `kitty` (SDPA's boolean mask, eager's additive
     one ...): `base_attention` reads it as that attention would. A Kitty layer reads its pads from the
-    last row of either kind (`cache.leading_pads`)."""
+    diagonal of either kind (`cache.leading_pads`).
+
+    A 2D mask shorter than the cache's tokens and the new ones is what `generate` makes of a prompt no
+    longer than what the cache already holds (a cache reused for another prompt): it would feed a
+    slice of the prompt, or none of it, as the continuation. Refused here, before attention runs."""
+    mask, kv = kwargs.get("attention_mask"), kwargs.get("kv_length", 0) + kwargs.get("kv_offset", 0)
+    if mask is not None and mask.dim() == 2 and mask.shape[-1] < kv:
+        raise ValueError(
+            f"the attention mask covers {mask.shape[-1]} positions, but the cache and the new tokens make {kv}: "
+            "the input does not continue what the cache holds. A KittyCache holds one conversation (generate "
+            "continues it), so a new prompt needs a new cache: pass past_key_values=KittyCache(model, method) to "
+            "each call (a pipeline over several prompts: one call per prompt, or all of them in one batch with "
+            "batch_size=len(prompts))")
     return ALL_MASK_ATTENTION_FUNCTIONS[_base(config)](*args, config=config, **kwargs)
 
 
@@ -106,16 +119,62 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def num_attention_layers(config) -> int:
+class UnsupportedModelError(ValueError):
+    """A model whose attention a KittyCache cannot serve exactly; the message names the architecture
+    and what it needs that the cache does not do."""
+
+
+def check_supported(model) -> None:
+    """Refuse, before anything is switched, a model whose attention a KittyCache cannot hold or reach:
+    encoder-decoders and cross-attention (a second, fixed KV per layer), multi-head latent attention
+    (keys and values of different head sizes, the compressed KV never reaches the cache), layers
+    without a KV cache (linear attention, convolutions, chunked attention, shared KV), and models whose
+    attention code calls SDPA or its own kernels itself instead of transformers' attention interface
+    (`_supports_attention_backend`), where the `kitty` function would never see its queries."""
+    cfg = text_config(model.config)
+    name = f"{type(model).__name__} ({getattr(cfg, 'model_type', '?')})"
+    why = None
+    if getattr(model.config, "is_encoder_decoder", False):
+        why = "it is an encoder-decoder model; the Kitty cache holds a decoder's self-attention only"
+    elif getattr(cfg, "cross_attention_layers", None) or getattr(cfg, "add_cross_attention", False):
+        why = "it has cross-attention layers, whose keys and values come from another input"
+    elif getattr(cfg, "kv_lora_rank", None):
+        why = (f"it uses multi-head latent attention (MLA, kv_lora_rank={cfg.kv_lora_rank}): compressed KV, keys "
+               "and values of different head sizes; the Kitty cache stores per-head keys and values of one size")
+    else:
+        try:
+            layer_windows(cfg)
+        except ValueError as err:
+            why = str(err)
+    if why is None and not getattr(type(model), "_supports_attention_backend", False):
+        why = ("its attention code calls SDPA (or its own kernels) itself instead of transformers' attention "
+               "interface, so the `kitty` attention function would never see its queries")
+    if why:
+        raise UnsupportedModelError(
+            f"{name} is not supported by KittyCache: {why}. KittyCache serves decoder-only models whose every layer "
+            "is full or sliding-window attention through transformers' attention interface (Llama, Mistral, Qwen2/3, "
+            "Gemma 2/3, Phi-3 ...; the README lists them)")
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per layer, its sliding window (None: full attention), as transformers' own caches read the
+    config (`get_layer_types_and_kwargs`: `layer_types`, else a `sliding_window` for every layer).
+    ValueError naming the kinds of layers that keep no key/value cache a Kitty layer could hold."""
     cfg = text_config(config)
-    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    unsupported = kinds - {"full_attention", "sliding_attention"}
+    types, kwargs = get_layer_types_and_kwargs(cfg)
+    unsupported = set(types) - {"full_attention", "sliding_attention"}
     if unsupported:
         raise ValueError(
-            f"{cfg.model_type} has layers of type {sorted(unsupported)} without a key/value cache; "
-            "Kitty needs a decoder whose every layer is attention (Llama, Mistral, Qwen2, Qwen3 ...)"
-        )
-    return cfg.num_hidden_layers
+            f"{cfg.model_type} has layers of type {sorted(unsupported)} without a key/value cache Kitty can hold "
+            "(every layer must be full or sliding-window attention)")
+    if len(types) != cfg.num_hidden_layers:
+        raise ValueError(f"{cfg.model_type} shares key/value caches between layers ({len(types)} caches for "
+                         f"{cfg.num_hidden_layers} layers), which Kitty does not do")
+    return [kwargs["sliding_window"] if t == "sliding_attention" else None for t in types]
+
+
+def num_attention_layers(config) -> int:
+    return len(layer_windows(config))
 
 
 def model_shape(config) -> dict:

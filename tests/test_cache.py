@@ -361,3 +361,195 @@ def test_a_kitty_cache_keeps_the_models_attention_math():
                 tok = torch.tensor([[token]])
                 torch.testing.assert_close(model(input_ids=tok, past_key_values=kitty).logits,
                                            model(input_ids=tok, past_key_values=ref).logits)
+
+
+def _same_state(a, b):
+    """Two layers hold the same tokens in the same form: bytes by part, pages per sequence, histories."""
+    assert a.nbytes() == b.nbytes() and a.seen == b.seen and a.pad == b.pad
+    assert [len(t) for t in a.k_pages.table] == [len(t) for t in b.k_pages.table]
+    assert [len(t) for t in a.v_pages.table] == [len(t) for t in b.v_pages.table]
+    for i in range(a.batch):
+        for x, y in zip(a.sequence_history(i, torch.float32), b.sequence_history(i, torch.float32)):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("spec", ["kitty-pro+sink=4+group_size=8+local_window=8",
+                                  "kivi-k2v2+sink=4+group_size=8+local_window=0", "fp16"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_crop_rolls_a_forward_back_as_if_it_had_been_shorter(spec, padded):
+    """A forward of 6 tokens that packs a page (of keys; of values too without a local window), cut
+    back by 4 under past recording (into that page: tokens 19-22 of a page of 12-19 and a q-buffer),
+    leaves what a forward of its first 2 tokens leaves: same bytes, pages, histories, then the same after more steps; the reopened page's slot is reused. Without
+    past recording a packed token cannot come back: a clear error."""
+    torch.manual_seed(0)
+    batch = 2 if padded else 1
+    mask = torch.ones(batch, 1, 17, 17, dtype=torch.bool).tril()
+    if padded:
+        mask[1, :, :, :5] = False  # sequence 1: five pads
+    prompt, chunk, more = torch.randn(batch, 2, 17, 16), torch.randn(batch, 2, 6, 16), torch.randn(batch, 2, 9, 16)
+    cut, whole = _layer(spec, batch), _layer(spec, batch)
+    for layer in (cut, whole):
+        layer.attend(None, None, prompt, -prompt, mask, None)
+    cut.activate_past_recording()
+    cut.attend(None, None, chunk, -chunk, None, None)
+    if spec != "fp16":
+        assert len(cut.k_pages.table[0]) == len(whole.k_pages.table[0]) + 1  # keys 12-19 became a page
+    cut.crop(-4)
+    whole.attend(None, None, chunk[:, :, :2], -chunk[:, :, :2], None, None)
+    _same_state(cut, whole)
+    for t in range(more.shape[2]):
+        for layer in (cut, whole):
+            layer.attend(None, None, more[:, :, t : t + 1], -more[:, :, t : t + 1], None, None)
+    _same_state(cut, whole)
+    if spec != "fp16":
+        assert cut.k_pages.count == whole.k_pages.count  # the freed slot held the next page
+        late = _layer(spec, batch)
+        late.attend(None, None, prompt, -prompt, mask, None)
+        late.attend(None, None, chunk, -chunk, None, None)  # no past recording
+        with pytest.raises(ValueError, match="activate_past_recording"):
+            late.crop(-4)
+
+
+def test_speculative_decoding_with_a_kitty_cache():
+    """Prompt lookup and an assistant model verify several tokens a forward and crop the rest: the
+    fp16 preset generates exactly what plain greedy decoding generates; kitty-pro with pages of 8
+    runs through rollbacks that reopen pages."""
+    model, draft = tiny_model("llama"), tiny_model("llama", seed=1)
+    ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(0)).repeat(1, 3)  # lookups hit
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, min_new_tokens=30,
+              do_sample=False, pad_token_id=0)
+    plain = model.generate(**kw)
+    for extra in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=draft)):
+        assert torch.equal(model.generate(**kw, **extra, past_key_values=KittyCache(model, "fp16")), plain)
+        cache = KittyCache(model, "kitty-pro+sink=4+group_size=8+local_window=8")
+        out = model.generate(**kw, **extra, past_key_values=cache)
+        assert out.shape == plain.shape and cache.get_seq_length() == out.shape[1] - 1
+        assert cache.layers[0].tokens(0) == cache.get_seq_length()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="tiny shapes for Triton's interpreter")
+def test_crop_ends_device_steps_and_they_begin_again():
+    """A cache decoding from device counters, cropped, goes back to the host's record (exact), and its
+    later steps run from counters again: the tokens of a cache that never left host steps."""
+    model = tiny_model("llama", layers=1)
+    ids = torch.randint(3, 256, (1, 30), generator=torch.Generator().manual_seed(2))
+    spec = "kitty-pro+sink=4+group_size=16+local_window=16"
+    outs = []
+    for device_steps in (True, False):
+        cache = KittyCache(model, spec, engine="triton", device_steps=device_steps)
+        cache.activate_past_recording()
+        with torch.no_grad():
+            logits = model(input_ids=ids, past_key_values=cache).logits
+            for _ in range(5):
+                step = logits[:, -1:].argmax(-1)
+                logits = model(input_ids=step, past_key_values=cache).logits
+            assert (cache.layers[0].steps is not None) == device_steps
+            cache.crop(-2)
+            assert cache.layers[0].steps is None and cache.get_seq_length() == 33
+            turn = torch.cat([ids, ids[:, :4]], 1)
+            out = model.generate(input_ids=turn, attention_mask=torch.ones_like(turn), past_key_values=cache,
+                                 max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert (cache.layers[0].steps is not None) == device_steps
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_a_used_cache_refuses_a_new_prompt_or_batch():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (2, 30), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    cache = KittyCache(model, "kitty-pro")
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **kw)
+    with pytest.raises(ValueError, match="a new prompt needs a new cache"):  # a prompt no longer than the cache
+        model.generate(input_ids=ids[:, :20], attention_mask=torch.ones_like(ids[:, :20]), past_key_values=cache, **kw)
+    longer = torch.cat([ids[:1], ids[:1]], 1)  # one sequence, longer than the cache: it reaches the layers
+    with pytest.raises(ValueError, match="holds 2 sequence"):
+        model.generate(input_ids=longer, attention_mask=torch.ones_like(longer), past_key_values=cache, **kw)
+
+
+def test_a_pipeline_over_prompts_one_cache_per_call(demo):
+    """The text-generation pipeline calls generate once per batch: one cache for two prompts in two
+    calls is refused; a fresh cache per call, or both prompts in one batch, generates what each prompt
+    generates alone."""
+    from transformers import pipeline
+
+    pipe = pipeline("text-generation", model=demo.model, tokenizer=demo.tokenizer)
+    prompts = ["The capital of France is Paris. The capital of Spain is", "Cats are"]
+    kw = dict(max_new_tokens=8, do_sample=False, return_full_text=False)
+    with pytest.raises(ValueError, match="a new prompt needs a new cache"):
+        pipe(prompts, past_key_values=KittyCache(demo.model, "kitty-pro"), **kw)
+    alone = [pipe(p, past_key_values=KittyCache(demo.model, "fp16"), **kw)[0]["generated_text"] for p in prompts]
+    batched = pipe(prompts, batch_size=2, past_key_values=KittyCache(demo.model, "fp16"), **kw)
+    assert [r[0]["generated_text"] for r in batched] == alone
+
+
+def test_the_memory_report_says_what_each_part_is_stored_as():
+    """The fp16 preset keeps the model's dtype: on an fp32 model every token costs 4 bytes an element."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (1, 40))
+    for spec in ("fp16", "kitty-pro+sink=4+group_size=8+local_window=8"):
+        cache = KittyCache(model, spec)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache)
+        report = cache.memory_report().set_index("part")
+        assert report.loc["key sink", "stored_as"] == "float32"
+        if spec == "fp16":
+            assert report["bytes"].sum() == 2 * 2 * 2 * 40 * 16 * 4  # layers, K and V, heads, tokens, D, fp32
+        else:
+            assert report.loc["key dense plane", "stored_as"] == "2-bit codes"
+            assert report.loc["key scales/zeros", "stored_as"] == "float16"
+
+
+def _windowed(family, window, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                               sliding_window=window, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+
+
+def test_sliding_window_layers_hold_only_their_window():
+    """Mistral with a 32-token window over 210 tokens: the fp16 preset holds DynamicCache's bytes (the
+    newest W - 1 tokens) and generates its tokens, also with prompt lookup's rollbacks; kitty-pro
+    with pages of 8 drops every page wholly out of the window (its slot reused), holds a bounded
+    number of tokens, and generates what the same cache generates when it keeps them all (a dropped
+    token is never attended). Gemma 3: the sliding layer slides, the full layer keeps everything."""
+    model = _windowed("mistral", 32)
+    ids = torch.randint(3, 256, (1, 180), generator=torch.Generator().manual_seed(0))
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, min_new_tokens=30,
+              do_sample=False, pad_token_id=0)
+    dynamic = DynamicCache(config=model.config)
+    want = model.generate(**kw, past_key_values=dynamic)
+    fp16 = KittyCache(model, "fp16")
+    assert torch.equal(model.generate(**kw, past_key_values=fp16), want)
+    assert fp16.nbytes() == sum(x.keys.nbytes + x.values.nbytes for x in dynamic.layers) == 2 * 2 * 2 * 31 * 16 * 4
+    assert set(fp16.memory_report()["part"]) == {"sliding window: keys", "sliding window: values"}
+    looked = KittyCache(model, "fp16")
+    lookup = model.generate(**{**kw, "input_ids": ids[:, :20].repeat(1, 9)}, prompt_lookup_num_tokens=3,
+                            past_key_values=looked)
+    assert torch.equal(lookup, model.generate(**{**kw, "input_ids": ids[:, :20].repeat(1, 9)}))
+    assert looked.layers[0].k_sink.lens[0] == 31
+
+    spec = "kitty-pro+sink=4+group_size=8+local_window=8"
+    sliding, keeping = KittyCache(model, spec), KittyCache(model, spec)
+    for layer in keeping.layers:  # the same layout, nothing dropped
+        layer._slide = lambda slack=0: None
+        layer._skip_out_of_window = lambda k, v: (k, v)
+    assert torch.equal(model.generate(**kw, past_key_values=sliding), model.generate(**kw, past_key_values=keeping))
+    for layer, kept in zip(sliding.layers, keeping.layers):
+        assert layer.config.sink == 0 and layer.k_sink.lens[0] == 0  # a window has no FP16 sink
+        assert len(layer.k_pages.table[0]) <= 4 and len(kept.k_pages.table[0]) == 209 // 8
+        assert layer.k_pages.count <= 6  # dropped pages' slots hold the new ones
+        assert 31 <= layer.tokens(0) - layer.dropped[0, 0] < 31 + 8
+        assert 31 <= layer.tokens(0) - layer.dropped[1, 0] < 31 + 8 + 8
+    assert sliding.nbytes() < keeping.nbytes() / 3
+
+    gemma = _windowed("gemma3_text", 32, layer_types=["sliding_attention", "full_attention"])
+    cache = KittyCache(gemma, spec)
+    gemma.generate(**kw, past_key_values=cache)
+    assert [layer.is_sliding for layer in cache.layers] == [True, False]
+    assert len(cache.layers[0].k_pages.table[0]) <= 4 and len(cache.layers[1].k_pages.table[0]) == (209 - 4) // 8
+    parts = set(cache.memory_report()["part"])
+    assert "sliding window: key dense plane" in parts and "key dense plane" in parts and "key sink" in parts
