@@ -454,10 +454,10 @@ def pack_steps(kind: str, start: int, end: int) -> int:
 PREFILL_CHUNKS = (512, 128, 32)  # prompt tokens per prefill forward, tried in this order
 
 
-DECODES = ("compiled", "graph", "eager")
+DECODES = ("compiled", "graph", "eager")  # how `measure` and `validate` take decode steps (`_decoder`)
 # steps before timing: CUDA graph trees run a compiled step's first call eagerly, record the second
 # and replay from the third (a graphed loop captures on the second)
-WARMUP = 3  # how `measure` and `validate` take decode steps (`_decoder`)
+WARMUP = 3
 
 
 def _decoder(model, cache: Cache, batch: int, decode: str):
