@@ -24,6 +24,14 @@ from pathlib import Path
 from .cli import count, parser, positive, progress_bar, writable, write_csv, write_text
 
 
+def _model_options(p) -> None:
+    """--model, --device and --dtype: the model a subcommand loads (`models.load_model`)."""
+    p.add_argument("--model", default="random:qwen3-8b", help="demo | hub id | path | random:qwen3-8b ...")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 "
+                   "or float16 on a GPU)")
+
+
 def arguments():
     p = parser("kitty_core.bench", __doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -40,10 +48,7 @@ def arguments():
     k.add_argument("--fp16", action="store_true", help="instead: FP16 attention on each SDPA backend")
     e = sub.add_parser("e2e", help="a whole model generating: max batch, memory, throughput per cache",
                        formatter_class=p.formatter_class)
-    e.add_argument("--model", default="random:qwen3-8b", help="demo | hub id | path | random:qwen3-8b ...")
-    e.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
-    e.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 "
-                   "or float16 on a GPU)")
+    _model_options(e)
     e.add_argument("--caches", default="dynamic,static,static-compiled,quantized,fp16-prealloc,kivi-k2v2,kitty,kitty-pro",
                    help="transformers' caches, fp16-prealloc and methods (METHOD@ENGINE too), comma-separated")
     e.add_argument("--prompt", type=count(1), default=512, help="prompt tokens per sequence")
@@ -69,10 +74,7 @@ def arguments():
                    "the others stay (same model and settings), and the file lists both commands")
     f = sub.add_parser("profile", help="the CUDA kernels of one decode step per cache, by GPU time",
                        formatter_class=p.formatter_class)
-    f.add_argument("--model", default="random:qwen3-8b", help="demo | hub id | path | random:qwen3-8b ...")
-    f.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
-    f.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 "
-                   "or float16 on a GPU)")
+    _model_options(f)
     f.add_argument("--caches", default="fp16-prealloc,kitty-pro", help="caches, comma-separated (as for e2e)")
     f.add_argument("--batch", type=count(1), default=64, help="sequences")
     f.add_argument("--length", type=count(1), default=4096, help="tokens in the cache")
@@ -80,10 +82,7 @@ def arguments():
     f.add_argument("--no-fuse", dest="fuse", action="store_false", help="keep transformers' RMSNorm and rotary code")
     g = sub.add_parser("generate", help="transformers' generate with each cache against the graphed loop",
                        formatter_class=p.formatter_class)
-    g.add_argument("--model", default="random:qwen3-8b", help="demo | hub id | path | random:qwen3-8b ...")
-    g.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
-    g.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 "
-                   "or float16 on a GPU)")
+    _model_options(g)
     g.add_argument("--paths", default="dynamic,kitty-pro:host,kitty-pro:eager,kitty-pro,kitty-pro:graphed",
                    help="see kitty_core.generate_speed")
     g.add_argument("--batch", default="64", help="batch sizes, comma-separated")
