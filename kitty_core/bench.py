@@ -97,6 +97,10 @@ def arguments():
     w.add_argument("--chromium", default="/usr/bin/chromium", help="the browser Playwright drives")
     w.add_argument("--visits", type=count(1), default=2, help="visits of every page (the first loads)")
     w.add_argument("--log", type=Path, default=Path("/tmp/kitty-app-timing.log"), help="the server's output")
+    w.add_argument("--headless", action="store_true", help="no browser: every page through Streamlit's AppTest "
+                   "in one process, on the device the sidebar picks (the GPU where there is one), then every "
+                   "button that runs on the loaded model")
+    w.add_argument("--out", type=Path, default=None, help="CSV file of the --headless steps")
     return p
 
 
@@ -647,6 +651,15 @@ def main(argv=None) -> int:
         return run_profile(a)
     if a.what == "generate":
         return run_generate(a)
+    if a.what == "app" and a.headless:
+        from .lab_timing import time_lab
+
+        with progress_bar("lab steps", "step") as progress:
+            steps = time_lab(progress=progress)
+        print(steps.round(1).to_string(index=False), flush=True)
+        if a.out:
+            write_csv(a.out, steps)
+        return 0 if (steps["outcome"] == "ok").all() else 1
     if a.what == "app":
         with progress_bar("page visits", "page") as progress:
             times = time_app(a.chromium, a.log, a.visits, progress)
