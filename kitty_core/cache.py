@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import calibrate, ops
 from .config import KittyConfig, parse_method
-from .graphs import StepCounters
+from .graphs import StepCounters, cudagraph_trees_for_this_thread
 from .hf import (
     PendingKV,
     base_attention,
@@ -1110,6 +1110,8 @@ class KittyCache(Cache):
             engine = "triton" if _on_cuda(model) and "triton" in available_engines() else "reference"
         self.engine = make_engine(engine)
         enable_kitty_attention(model)
+        if _on_cuda(model):  # `generate` may compile its steps in this thread
+            cudagraph_trees_for_this_thread()
         windows = layer_windows(model.config)
         n = len(windows)
         if not fp16_layers <= set(range(n)):

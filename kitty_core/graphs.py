@@ -28,9 +28,32 @@ serve (this library's FP16 baseline).
 
 from __future__ import annotations
 
+import threading
+from collections import defaultdict
+
 import torch
 
 from .hf import enable_kitty_attention
+
+
+def cudagraph_trees_for_this_thread() -> None:
+    """Set up the compiled forward's CUDA-graph state in the calling thread, where torch has not.
+
+    Inductor keeps its CUDA-graph trees per thread. torch 2.13 creates that state in any thread that
+    first needs it; earlier releases create it only in the importing thread (and in autograd's),
+    and fail with a bare AssertionError in `cudagraph_trees.get_obj` when a compiled step runs in
+    another one: in a web server's worker, or the thread of each Streamlit script run. This does
+    what torch 2.13 does, once per thread; the thread's graphs are recorded in its own trees."""
+    try:
+        from torch._inductor import cudagraph_trees as trees
+    except ImportError:  # a torch without inductor compiles nothing
+        return
+    if hasattr(trees.local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    trees.local.tree_manager_containers = {}
+    trees.local.tree_manager_locks = defaultdict(threading.Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", trees.local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", trees.local.tree_manager_locks)
 
 
 class StepCounters:
@@ -184,6 +207,8 @@ class CompiledDecoder(_Greedy):
             raise ValueError(f"{type(cache).__name__} is not compileable here: "
                              f"{getattr(cache, 'device_steps_refusal', lambda: 'not a KittyCache')()}")
         self.use_graph = next(model.parameters()).device.type == "cuda"
+        if self.use_graph:
+            cudagraph_trees_for_this_thread()
         enable_kitty_attention(model)
         cache.begin_device_steps(by_operator=True)
         if len(cache.held_tokens()) != batch:

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE_FILES = ["app.py"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "pages").glob("*.py"))
 # the buttons that start a computation on the loaded model (labels as the pages write them)
 LIVE_BUTTONS = ("Run on the loaded model", "Run the sweep", "Run sweep")
+LIVE_SOURCE = "run on the loaded model"  # the option of the pages' "Results" radio that shows live runs
 
 
 def _outcome(at) -> str:
@@ -25,10 +26,12 @@ def time_lab(live: bool = True, timeout_s: float = 1800, progress=None) -> pd.Da
     """Per page: the first render (which loads the model and the page's analyses), a second render
     (Streamlit's caches), and with `live` each live-run button pressed once. Streamlit's caches are
     the process's, so later pages find the model loaded, as in one browser session."""
+    import streamlit.logger
     from streamlit.testing.v1 import AppTest
 
+    streamlit.logger.set_log_level("warning")  # AppTest runs the script at debug level
     rows = []
-    steps = len(PAGE_FILES) * (2 + (len(LIVE_BUTTONS) if live else 0))
+    steps = len(PAGE_FILES) * (4 if live else 2)  # about: two renders, then a page's live runs
 
     def timed(page, step, at, action):
         if progress:
@@ -45,8 +48,11 @@ def time_lab(live: bool = True, timeout_s: float = 1800, progress=None) -> pd.Da
         timed(page, "second render", at, at.run)
         if not live:
             continue
-        for label in LIVE_BUTTONS:
-            found = [b for b in at.button if b.label == label]
-            if found:
-                timed(page, f"'{label}'", at, lambda b=found[0]: b.click().run())
+        for radio in at.radio:
+            if LIVE_SOURCE in radio.options:
+                timed(page, f"'{LIVE_SOURCE}'", at, lambda r=radio: r.set_value(LIVE_SOURCE).run())
+        live_buttons = [i for i, b in enumerate(at.button) if b.label in LIVE_BUTTONS]
+        for n, i in enumerate(live_buttons):
+            label = at.button[i].label + (f" ({n + 1})" if len(live_buttons) > 1 else "")
+            timed(page, f"'{label}'", at, lambda i=i: at.button[i].click().run())
     return pd.DataFrame(rows)

@@ -48,7 +48,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Quant
 
 from .cache import KittyCache, KittyLayer
 from .config import parse_method
-from .graphs import CompiledDecoder, GraphedDecoder, StepCounters, can_graph
+from .graphs import CompiledDecoder, GraphedDecoder, StepCounters, can_graph, cudagraph_trees_for_this_thread
 from .hf import PendingKV, num_attention_layers
 from .telemetry import sampled
 
@@ -183,6 +183,7 @@ class CompiledStaticCache(StaticCache):
     def __init__(self, model, max_cache_len: int, compile_config: CompileConfig | None = None):
         super().__init__(config=model.config, max_cache_len=max_cache_len)
         self.decode_call = model.get_compiled_call(compile_config)
+        cudagraph_trees_for_this_thread()
 
 
 def release_compiled(model) -> None:

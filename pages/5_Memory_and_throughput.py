@@ -206,8 +206,11 @@ with st.form("sweep"):
     cols = st.columns(5)
     default = list(dict.fromkeys(["fp16-prealloc", "kivi-k2v2", frame.method.split("+")[0]]))
     caches = cols[0].multiselect("Caches", options, default=default)
-    prompt = int(cols[1].number_input("Prompt tokens", 1, 1 << 20, 512 if on_gpu else 64, 64))
-    generate = int(cols[2].number_input("Generated tokens", 1, 1 << 20, 8192 if on_gpu else 960, 64))
+    first = 512 if on_gpu else 64
+    prompt = int(cols[1].number_input("Prompt tokens", 1, 1 << 20, first, 64))
+    # on a GPU, 8,192 new tokens where the model's context holds them (the demo model's 8,192 hold 7,680)
+    room = max(64, (frame.lm.shape["context"] or 1 << 20) - first)
+    generate = int(cols[2].number_input("Generated tokens", 1, 1 << 20, min(8192, room) if on_gpu else 960, 64))
     budget = cols[3].number_input("Cache budget (GiB, 0 = until out of memory)", 0.0, 4096.0,
                                   0.0 if on_gpu else 0.1, 0.01, format="%.2f")
     equal = int(cols[4].number_input("Equal batch for all", 1, 1 << 14, 64 if on_gpu else 2))

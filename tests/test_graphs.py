@@ -229,3 +229,27 @@ def test_graph_replays_of_a_left_padded_batch_match_eager_steps_on_the_demo_mode
             worst = max(worst, float((got - want).abs().max()))
     print(f"left-padded kitty-pro: {steps} steps, {decoder.captures} graph, largest logit difference {worst:.4f}")
     assert worst < 0.25 and decoder.captures == 1
+
+
+def test_a_thread_that_did_not_import_torch_can_run_compiled_steps():
+    """Streamlit runs each script run in a new thread: the compiled forward's CUDA-graph trees must
+    find their per-thread state there (torch before 2.13 asserted in `cudagraph_trees.get_obj`)."""
+    import threading
+
+    from torch._inductor import cudagraph_trees
+
+    from kitty_core.graphs import cudagraph_trees_for_this_thread
+
+    found = {}
+
+    def worker():
+        cudagraph_trees_for_this_thread()
+        found["state"] = torch._C._is_key_in_tls("tree_manager_containers")
+        found["container"] = cudagraph_trees.get_container(0).device_index
+        cudagraph_trees_for_this_thread()  # a second call keeps the thread's trees
+        found["same"] = cudagraph_trees.get_container(0) is cudagraph_trees.get_container(0)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert found == {"state": True, "container": 0, "same": True}
