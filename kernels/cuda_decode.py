@@ -103,11 +103,23 @@ def build(n_boost: int, stages: int = 2) -> str | None:
     return None
 
 
-def _planes_ok(name: str, t: torch.Tensor, rows: int, width: int) -> None:
+def _planes_ok(name: str, t: torch.Tensor) -> None:
     """A pool plane [P, H, rows, width] (logical) must be stored [P, H, width, rows], contiguous per page
     and head, as `PagePool` stores it."""
-    if t.stride(2) != 1 or t.stride(3) != max(rows, 1) or t.data_ptr() % 16:
+    if t.stride(2) != 1 or t.stride(3) != max(t.shape[2], 1) or t.data_ptr() % 16:
         raise ValueError(f"{name}: expected the pool's transposed, 16-byte aligned planes, got strides {t.stride()}")
+
+
+def pool_layout(k_pages: dict, v_pages: dict) -> bool:
+    """Are the planes stored as `PagePool` stores them (the layout `page_partials` reads)?"""
+    try:
+        _planes_ok("key dense plane", k_pages["dense"])
+        if k_pages["high"].shape[2]:
+            _planes_ok("key high plane", k_pages["high"])
+        _planes_ok("value plane", v_pages["low"])
+    except ValueError:
+        return False
+    return True
 
 
 def page_partials(q: torch.Tensor, k_pages: dict, v_pages: dict, k_table: torch.Tensor, v_table: torch.Tensor,
@@ -125,10 +137,10 @@ def page_partials(q: torch.Tensor, k_pages: dict, v_pages: dict, k_table: torch.
     hkv = kd.shape[1]
     if not 1 <= pages_per_program <= 32:
         raise ValueError(f"pages_per_program must be in [1, 32], got {pages_per_program}")
-    _planes_ok("key dense plane", kd, d, kd.shape[3])
+    _planes_ok("key dense plane", kd)
     if nb:
-        _planes_ok("key high plane", kh, nb, kh.shape[3])
-    _planes_ok("value plane", vl, vl.shape[2], vl.shape[3])
+        _planes_ok("key high plane", kh)
+    _planes_ok("value plane", vl)
     for name, t in (("q", q), ("boost index", kc), ("key scale", ks), ("key zero", kz), ("value scale", vs),
                     ("value zero", vz), ("m", m), ("l", l), ("acc", acc)):
         if t.stride(-1) != 1:
@@ -186,9 +198,13 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     first = m.shape[2] - chunks
     main, side = torch.cuda.current_stream(query.device), _side_stream(query.device)
     side.wait_stream(main)
-    page_partials(query[:, :, 0], st["k_pages"], st["v_pages"], st["k_table"], st["v_table"], st["n_vpages"],
-                  m, l, acc, rep=hq // layer.heads, first_chunk=first, pages_per_program=ppp, chunks=chunks,
-                  scaling=scaling)
+    if pool_layout(st["k_pages"], st["v_pages"]):
+        page_partials(query[:, :, 0], st["k_pages"], st["v_pages"], st["k_table"], st["v_table"], st["n_vpages"],
+                      m, l, acc, rep=hq // layer.heads, first_chunk=first, pages_per_program=ppp, chunks=chunks,
+                      scaling=scaling)
+    else:  # a layer with no pages yet holds a stand-in page, not the pool's layout: Triton's launch
+        kernel, grid, pargs, options = pages
+        kernel[grid](*pargs, **options)
     with torch.cuda.stream(side):
         kernel, grid, targs, options = tail
         kernel[grid](*targs, **options)

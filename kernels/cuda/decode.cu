@@ -438,8 +438,13 @@ template <typename T, int NB, int STAGES>
 int launch_t(const PageArgs& a, int warps, cudaStream_t stream) {
   const size_t bytes = smem_bytes<NB, STAGES>(warps);
   auto kern = pages_kernel<T, NB, STAGES>;
-  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-  if (e != cudaSuccess) return (int)e;
+  static bool sized = false;  // once, for the most warps a block takes (not during a graph's capture)
+  if (!sized) {
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)smem_bytes<NB, STAGES>(4));
+    if (e != cudaSuccess) return (int)e;
+    sized = true;
+  }
   const long long items = (long long)a.batch * a.hkv * a.chunks;
   const int blocks = (int)((items + warps - 1) / warps);
   if (blocks == 0) return 0;
