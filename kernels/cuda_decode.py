@@ -90,7 +90,7 @@ def _build(n_boost: int, stages: int):
         cpp_sources="int64_t page_partials(std::vector<int64_t> p, std::vector<int64_t> n, double scaling);",
         cuda_sources=[SOURCE.read_text(), _BINDING],
         functions=["page_partials"],
-        extra_cuda_cflags=["-O3", "-std=c++17", f"-DKITTY_NB={n_boost}", f"-DKITTY_STAGES={stages}"],
+        extra_cuda_cflags=["-O3", f"-DKITTY_NB={n_boost}", f"-DKITTY_STAGES={stages}"],
     )
 
 
