@@ -166,13 +166,15 @@ def page_partials(q: torch.Tensor, k_pages: dict, v_pages: dict, k_table: torch.
 
 def launch_plan(pairs: int, slots: int, sms: int) -> int:
     """Pages per program for `pairs` (sequence, KV head) runs of up to `slots` packed pages on `sms`
-    SMs: the largest power of two up to 32 that still leaves about four waves of programs (an SM
-    holds 2 x WARPS of them), so that the last wave's idle SMs are a small share of the time."""
+    SMs: the largest power of two up to 32 that still fills about one wave of programs (an SM holds
+    2 x WARPS of them): long runs keep the cp.async pipeline full and write few partials, and one
+    wave keeps every SM streaming. `python -m kitty_core.bench kernels --cuda --ppp 4,8,16,32` times
+    the others."""
     resident = sms * 2 * WARPS
-    for ppp in (32, 16, 8, 4, 2):
-        if pairs * -(-slots // ppp) >= 4 * resident:
+    for ppp in (32, 16, 8, 4):
+        if pairs * -(-slots // ppp) >= 0.9 * resident:
             return ppp
-    return 1
+    return 2
 
 
 @functools.lru_cache
