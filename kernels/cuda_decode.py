@@ -216,4 +216,66 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     return out
 
 
-__all__ = ["unsupported", "build", "page_partials", "launch_plan", "decode_attention"]
+def _plan(layer, slots: int) -> int:
+    sms = torch.cuda.get_device_properties(layer.device).multi_processor_count
+    return launch_plan(layer.batch * layer.heads, slots, sms)
+
+
+def step_workspace(layer, q_heads: int, workspace: dict) -> list[torch.Tensor]:
+    """`kernels.decode.step_workspace` for `DecodeStep`: the partials of steps whose grid spans the
+    layer's capacity, allocated now (before any graph is captured). Returns them."""
+    from .decode import decode_launches
+
+    slots = layer.capacity_slots()
+    state = dict(layer.kernel_state(), max_slots=slots)
+    q = torch.zeros(layer.batch, q_heads, 1, layer.head_dim, device=layer.device, dtype=layer.dtype)
+    decode_launches(layer, q, 1.0, workspace, state, pages_per_program=_plan(layer, slots))
+    return [workspace["m"], workspace["l"], workspace["acc"]]
+
+
+class DecodeStep:
+    """`kernels.decode.DecodeStep` (steps from device counters, launches planned once) with the page
+    launch done by the CUDA kernel: the Triton tail (which writes the step's token) and combine are
+    replayed through `plan.Launch`, the page kernel is launched with the step's query."""
+
+    def __init__(self, layer, workspace: dict):
+        self.layer, self.workspace = layer, workspace
+        self.key, self.launches, self.pages = None, None, None
+
+    def __call__(self, query: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
+        """query [B, Hq, 1, D], key_new and value_new [B, H, 1, D] -> [B, Hq, 1, D]."""
+        from .decode import decode_launches
+        from .plan import Launch
+
+        q, kn, vn = query[:, :, 0], key_new[:, :, 0], value_new[:, :, 0]
+        key = (query.shape, query.dtype, q.stride(), kn.stride(), vn.stride(), scaling)
+        if key != self.key or kn.stride(-1) != 1 or vn.stride(-1) != 1:
+            st = self.layer.kernel_state()
+            ppp = _plan(self.layer, st["max_slots"])
+            (tail, pages, combine), out = decode_launches(self.layer, query, scaling, self.workspace, st,
+                                                          pages_per_program=ppp,
+                                                          new=(key_new, value_new, self.layer.steps.write))
+            n = len(pages[2])  # the tail's arguments are the pages' and the token's
+            self.launches = (Launch(*tail, slots=(0, n, n + 3)), Launch(*combine, slots=(3,)))
+            m, l, acc = pages[2][-9], pages[2][-8], pages[2][-7]
+            chunks = pages[1][1]
+            self.pages = dict(k_pages=st["k_pages"], v_pages=st["v_pages"], k_table=st["k_table"],
+                              v_table=st["v_table"], n_vpages=st["n_vpages"], m=m, l=l, acc=acc,
+                              rep=query.shape[1] // self.layer.heads, first_chunk=m.shape[2] - chunks,
+                              pages_per_program=ppp, chunks=chunks, scaling=scaling)
+            self.key, kn, vn = key, tail[2][n], tail[2][n + 3]
+        else:
+            out = torch.empty(query.shape, device=query.device, dtype=query.dtype)  # as decode_launches makes it
+        tail, combine = self.launches
+        main, side = torch.cuda.current_stream(query.device), _side_stream(query.device)
+        side.wait_stream(main)
+        page_partials(q, **self.pages)
+        tail.run(q, kn, vn, stream=side)
+        main.wait_stream(side)
+        combine.run(out)
+        return out
+
+
+__all__ = ["unsupported", "build", "page_partials", "launch_plan", "decode_attention", "DecodeStep",
+           "step_workspace"]

@@ -109,21 +109,20 @@ class TritonEngine(ReferenceEngine):
                 layer.drop_dense_view()
             return out
         layer.insert(key_new, value_new, pack=False)
-        if self._cuda_pages(layer, query):
+        if self._cuda_pages(layer, query.shape[1], query.dtype, query.device):
             out = cuda_decode.decode_attention(layer, query, scaling, self._workspace(layer))
         else:
             out = decode_attention(layer, query, scaling, self._workspace(layer), key_dots=self.key_dots)
         layer.pack_full()
         return out.transpose(1, 2), None  # transformers expects [B, t, Hq, D]
 
-    def _cuda_pages(self, layer, query) -> bool:
+    def _cuda_pages(self, layer, q_heads: int, dtype, device) -> bool:
         """Does the CUDA page kernel read this layer's pages? Decided once per shape (a first call
         builds the kernel), with one log line where it falls back to Triton."""
         if self.pages != "cuda":
             return False
         c = layer.config
-        key = (layer.head_dim, c.group_size, layer.n_boost, c.value_bits, query.shape[1] // layer.heads,
-               query.dtype, query.device)
+        key = (layer.head_dim, c.group_size, layer.n_boost, c.value_bits, q_heads // layer.heads, dtype, device)
         if key not in self._cuda_ok:
             why = cuda_decode.unsupported(*key) or cuda_decode.build(layer.n_boost)
             if why:
@@ -135,6 +134,9 @@ class TritonEngine(ReferenceEngine):
         """Before decode steps from device counters: their workspace, allocated now (returned), and a
         fresh launch plan (the state it was built on may have moved)."""
         ws = self._workspace(layer)
+        if self._cuda_pages(layer, q_heads, layer.dtype, layer.device):
+            self.steps[layer.layer_idx] = cuda_decode.DecodeStep(layer, ws)
+            return cuda_decode.step_workspace(layer, q_heads, ws)
         self.steps[layer.layer_idx] = DecodeStep(layer, ws, self.key_dots)
         return step_workspace(layer, q_heads, ws)
 

@@ -89,3 +89,35 @@ def test_unsupported_says_why_without_a_gpu_or_for_other_shapes():
         assert "head size 64" in cuda_decode.unsupported(64, G, 16, 2, 4, torch.bfloat16, dev)
         assert "4-bit" in cuda_decode.unsupported(D, G, 32, 4, 4, torch.bfloat16, dev)
         assert "boosted" in cuda_decode.unsupported(D, G, 24, 2, 4, torch.bfloat16, dev)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device_steps", [False, True])
+def test_engine_with_cuda_pages_agrees_with_reference(device_steps):
+    """A random decoder of Qwen3's head size: logits of decode steps after a 700-token prompt (pages
+    of keys and of values) through `triton+pages=cuda`, on the host's record and from device
+    counters, against the reference engine; the CUDA kernel, not the fallback, read the pages."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kitty_core import KittyCache
+
+    cfg = AutoConfig.for_model("qwen3", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=D, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.randint(3, 512, (2, 700), device="cuda")
+    logits, caches = {}, {}
+    for engine in ("reference", "triton+pages=cuda"):
+        cache = caches[engine] = KittyCache(model, "kitty-pro", engine=engine, device_steps=device_steps)
+        with torch.inference_mode():
+            out = model(input_ids=ids, past_key_values=cache)
+            steps = []
+            for _ in range(3):
+                out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache)
+                steps.append(out.logits[:, -1].float())
+        logits[engine] = torch.stack(steps)
+    engine = caches["triton+pages=cuda"].engine
+    assert engine._cuda_ok and all(engine._cuda_ok.values())
+    if device_steps:
+        assert all(type(s).__module__ == "kernels.cuda_decode" for s in engine.steps.values())
+    torch.testing.assert_close(logits["triton+pages=cuda"], logits["reference"], atol=0.6, rtol=0.05)
