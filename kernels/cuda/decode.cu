@@ -201,7 +201,8 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
   // first pages in flight before the queries are read
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < count) issue_page<NB>(stages + s * L::BYTES, a, __shfl_sync(~0u, kid, s), __shfl_sync(~0u, vid, s), h, lane);
+    const int kp = __shfl_sync(~0u, kid, s), vp = __shfl_sync(~0u, vid, s);
+    if (s < count) issue_page<NB>(stages + s * L::BYTES, a, kp, vp, h, lane);
     cp_commit();
   }
   const T* q = reinterpret_cast<const T*>(a.q) + b * a.sQb + (long long)(h * a.rep) * a.sQh;
@@ -399,7 +400,8 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
           const uint32_t w0s = w0 >> 8, w1s = w1 >> 8;
 #pragma unroll
           for (int Q = 0; Q < 4; ++Q)
-            mma(acc[Q][jj], plane_rt(w0, Q, magic), plane_rt(w1, Q, magic), plane_rt(w0s, Q, magic), plane_rt(w1s, Q, magic), b0, b1);
+            mma(acc[Q][jj], plane_rt(w0, Q, magic), plane_rt(w1, Q, magic), plane_rt(w0s, Q, magic),
+                plane_rt(w1s, Q, magic), b0, b1);
         }
       }
     }
