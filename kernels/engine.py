@@ -32,7 +32,7 @@ from .decode import DecodeStep, decode_attention, key_dots_of, prefill_attention
 # a prefill in 32-token chunks from 6.5-8.2 s to 4.9 s and 2.2 GiB less memory, and one in
 # 128-token chunks (32 launches a layer and chunk) from 3.8-4.2 s to 5.2-6.6 s.
 SHORT_CHUNK_LAUNCHES = 8
-PAGE_KERNELS = ("triton", "cuda")  # which kernel reads the packed pages of a decode step from the host's record
+PAGE_KERNELS = ("triton", "cuda")  # which kernel reads the packed pages in decode steps
 log = logging.getLogger(__name__)
 
 

@@ -120,3 +120,23 @@ def test_engine_with_cuda_pages_agrees_with_reference(device_steps):
     if device_steps:
         assert engine.steps and all(type(s).__module__ == "kernels.cuda_decode" for s in engine.steps.values())
     torch.testing.assert_close(logits["triton+pages=cuda"], logits["reference"], atol=0.6, rtol=0.05)
+
+
+def test_engine_falls_back_to_triton_with_one_log_line(caplog):
+    """`triton+pages=cuda` where the CUDA kernel does not apply (here: no GPU, or head size 64):
+    Triton reads the pages, and one warning says why, once per layer shape."""
+    from types import SimpleNamespace
+
+    from kitty_core.cache import make_engine
+
+    engine = make_engine("triton+pages=cuda")
+    assert engine.pages == "cuda" and make_engine("triton").pages == "triton"
+    with pytest.raises(ValueError, match="triton, cuda"):
+        make_engine("triton+pages=tilelang")
+    layer = SimpleNamespace(head_dim=64, heads=2, n_boost=16, config=SimpleNamespace(group_size=G, value_bits=2))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with caplog.at_level("WARNING", logger="kernels.engine"):
+        assert not engine._cuda_pages(layer, 8, torch.bfloat16, device)
+        assert not engine._cuda_pages(layer, 8, torch.bfloat16, device)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kernels.engine"]
+    assert len(lines) == 1 and "Triton" in lines[0]
