@@ -16,13 +16,14 @@ rule, other page or head sizes).
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from kitty_core.cache import ReferenceEngine
 
-from . import pack
+from . import cuda_decode, pack
 from .decode import DecodeStep, decode_attention, key_dots_of, prefill_attention, prefill_launches, step_workspace
 
 # A later prefill chunk attends on the pages when its history takes at most this many decode-kernel
@@ -31,18 +32,24 @@ from .decode import DecodeStep, decode_attention, key_dots_of, prefill_attention
 # a prefill in 32-token chunks from 6.5-8.2 s to 4.9 s and 2.2 GiB less memory, and one in
 # 128-token chunks (32 launches a layer and chunk) from 3.8-4.2 s to 5.2-6.6 s.
 SHORT_CHUNK_LAUNCHES = 8
+PAGE_KERNELS = ("triton", "cuda")  # which kernel reads the packed pages in decode steps
+log = logging.getLogger(__name__)
 
 
 class TritonEngine(ReferenceEngine):
     name = "triton"
     device_steps = True  # decode steps can run from device counters (kitty_core.graphs)
 
-    def __init__(self, key_dots: str | None = None):
+    def __init__(self, key_dots: str | None = None, pages: str = "triton"):
         """`key_dots`: the page kernel's key dots, "fp16" or "int8"; None: by head size
-        (`decode.key_dots_of`)."""
+        (`decode.key_dots_of`). `pages`: "cuda" reads the packed pages of decode steps with
+        `cuda_decode` where it applies (else Triton, with one log line that says why)."""
         if key_dots is not None:
             key_dots_of(key_dots, 0)  # a clear error now, not at the first decode step
-        self.key_dots = key_dots
+        if pages not in PAGE_KERNELS:
+            raise ValueError(f"pages must be one of {', '.join(PAGE_KERNELS)}, got {pages!r}")
+        self.key_dots, self.pages = key_dots, pages
+        self._cuda_ok: dict[tuple, bool] = {}  # per layer shape: does the CUDA page kernel take it
         self.workspaces: dict[tuple, dict] = {}  # the partials' buffers, by layer shape (`_workspace`)
         self.steps: dict[int, DecodeStep] = {}  # per layer: the launches of steps from device counters
 
@@ -102,14 +109,34 @@ class TritonEngine(ReferenceEngine):
                 layer.drop_dense_view()
             return out
         layer.insert(key_new, value_new, pack=False)
-        out = decode_attention(layer, query, scaling, self._workspace(layer), key_dots=self.key_dots)
+        if self._cuda_pages(layer, query.shape[1], query.dtype, query.device):
+            out = cuda_decode.decode_attention(layer, query, scaling, self._workspace(layer))
+        else:
+            out = decode_attention(layer, query, scaling, self._workspace(layer), key_dots=self.key_dots)
         layer.pack_full()
         return out.transpose(1, 2), None  # transformers expects [B, t, Hq, D]
+
+    def _cuda_pages(self, layer, q_heads: int, dtype, device) -> bool:
+        """Does the CUDA page kernel read this layer's pages? Decided once per shape (a first call
+        builds the kernel), with one log line where it falls back to Triton."""
+        if self.pages != "cuda":
+            return False
+        c = layer.config
+        key = (layer.head_dim, c.group_size, layer.n_boost, c.value_bits, q_heads // layer.heads, dtype, device)
+        if key not in self._cuda_ok:
+            why = cuda_decode.unsupported(*key) or cuda_decode.build(layer.n_boost)
+            if why:
+                log.warning("decode pages on Triton, not the CUDA kernel: %s", why)
+            self._cuda_ok[key] = why is None
+        return self._cuda_ok[key]
 
     def prepare_steps(self, layer, q_heads: int) -> list[torch.Tensor]:
         """Before decode steps from device counters: their workspace, allocated now (returned), and a
         fresh launch plan (the state it was built on may have moved)."""
         ws = self._workspace(layer)
+        if self._cuda_pages(layer, q_heads, layer.dtype, layer.device):
+            self.steps[layer.layer_idx] = cuda_decode.DecodeStep(layer, ws)
+            return cuda_decode.step_workspace(layer, q_heads, ws)
         self.steps[layer.layer_idx] = DecodeStep(layer, ws, self.key_dots)
         return step_workspace(layer, q_heads, ws)
 

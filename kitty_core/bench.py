@@ -46,6 +46,10 @@ def arguments():
     k.add_argument("--ablate", action="store_true", help="instead: time diagnostic variants of the fused kernel")
     k.add_argument("--pack", action="store_true", help="instead: packing time against decode time")
     k.add_argument("--fp16", action="store_true", help="instead: FP16 attention on each SDPA backend")
+    k.add_argument("--cuda", action="store_true", help="instead: the CUDA page kernel beside the Triton fused "
+                   "kernel and cuDNN SDPA on FP16")
+    k.add_argument("--ppp", default=None, help="with --cuda: the CUDA kernel's pages per program, comma-separated "
+                   "(default: its launch plan)")
     e = sub.add_parser("e2e", help="a whole model generating: max batch, memory, throughput per cache",
                        formatter_class=p.formatter_class)
     _model_options(e)
@@ -233,6 +237,75 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
                 del ws, fused
             del layer, state, unfused, ref
             torch.cuda.empty_cache()
+    return pd.DataFrame(rows)
+
+
+def bench_cuda(shapes, boosts, pages_per_program=(None,), q_heads=32, kv_heads=8, head_dim=128,
+               dtype=torch.bfloat16, rounds=5, progress=None) -> pd.DataFrame:
+    """Per shape and boost rate: the fused step with the CUDA page kernel (`kernels.cuda_decode`, per
+    pages-per-program setting), the Triton fused step and SDPA on an FP16 cache forced to cuDNN, as
+    CUDA-graph replays timed in `rounds` interleaved rounds (the median of the rounds' medians); the
+    packed bytes each step reads and both outputs' largest difference from the reference."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels import cuda_decode
+    from kernels.decode import decode_attention, decode_attention_reference
+
+    rows = []
+    for batch, length in shapes:
+        q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+        k16 = torch.randn(batch, kv_heads, length, head_dim, device="cuda", dtype=dtype)
+        v16 = torch.randn_like(k16)
+        scale = head_dim**-0.5
+
+        def cudnn():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k16, v16, scale=scale, enable_gqa=True)
+
+        cudnn_g = graphed(cudnn)
+        for boost in boosts:
+            if progress:
+                progress(len(rows), len(shapes) * len(boosts), f"{batch}x{length}, boost {boost:g}")
+            layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
+            state = layer.kernel_state()
+            why = cuda_decode.unsupported(head_dim, layer.config.group_size, layer.n_boost, layer.config.value_bits,
+                                          q_heads // kv_heads, dtype, q.device) or cuda_decode.build(layer.n_boost)
+            if why:
+                raise RuntimeError(f"the CUDA page kernel does not apply: {why}")
+            ref = decode_attention_reference(layer, q, scale).float()
+            ws_t = {}
+            triton = lambda: decode_attention(layer, q, scale, ws_t, state)  # noqa: E731
+            err_t = (triton().float() - ref).abs().max().item()
+            fns = {"triton": graphed(triton), "cudnn": cudnn_g}
+            errs = {}
+            for ppp in pages_per_program:
+                ws = {}
+                fn = lambda ws=ws, ppp=ppp: cuda_decode.decode_attention(layer, q, scale, ws, state, ppp)  # noqa: E731
+                errs[ppp] = (fn().float() - ref).abs().max().item()
+                fns[ppp] = graphed(fn)
+            times = {name: [] for name in fns}
+            for _ in range(rounds):
+                for name, g in fns.items():
+                    times[name].append(cuda_time(g, warmup=2, iters=20))
+            ms = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+            read = sum(layer.nbytes().values()) + q.numel() * q.element_size()
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            for ppp in pages_per_program:
+                rows.append({
+                    "batch": batch, "length": length, "boost_rate": boost,
+                    "ppp": ppp or cuda_decode.launch_plan(batch * kv_heads, state["max_slots"], sms),
+                    "cuda_ms": ms[ppp], "triton_ms": ms["triton"], "cudnn_ms": ms["cudnn"],
+                    "cuda_vs_cudnn": ms["cudnn"] / ms[ppp], "triton_vs_cudnn": ms["cudnn"] / ms["triton"],
+                    "cuda_vs_triton": ms["triton"] / ms[ppp], "packed_bytes": read,
+                    "cuda_TBps": read / ms[ppp] / 1e9, "triton_TBps": read / ms["triton"] / 1e9,
+                    "cudnn_TBps": 2 * k16.numel() * k16.element_size() / ms["cudnn"] / 1e9,
+                    "cuda_max_abs_err": errs[ppp], "triton_max_abs_err": err_t,
+                })
+                print(pd.DataFrame(rows[-1:]).to_string(index=False, header=len(rows) == 1,
+                                                        float_format=lambda x: f"{x:.3f}"), flush=True)
+            del layer, state, fns, ref, triton
+            torch.cuda.empty_cache()
+        del k16, v16, cudnn_g
     return pd.DataFrame(rows)
 
 
@@ -682,6 +755,13 @@ def main(argv=None) -> int:
     if a.sweep:
         for shape in _each(shapes):
             print(sweep_launch(shape).head(8).to_string(index=False), flush=True)
+        return 0
+    if a.cuda:
+        ppps = [int(x) for x in a.ppp.split(",")] if a.ppp else [None]
+        with progress_bar("kernels", "setting") as progress:
+            df = bench_cuda(shapes, [float(x) for x in a.boost.split(",")], ppps, progress=progress)
+        if a.out:
+            write_csv(a.out, df.assign(device=torch.cuda.get_device_name(), torch=torch.__version__))
         return 0
     with progress_bar("kernels", "setting") as progress:
         df = bench_kernels(shapes, [float(x) for x in a.boost.split(",")],

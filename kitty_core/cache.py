@@ -343,8 +343,9 @@ def make_engine(name: str):
         kwargs = {}
         for opt in opts:
             key, eq, value = opt.partition("=")
-            if key != "key_dots" or not eq:
-                raise ValueError(f"the triton engine takes the option key_dots=..., got {opt!r} in {name!r}")
+            if key not in ("key_dots", "pages") or not eq:
+                raise ValueError(f"the triton engine takes the options key_dots=... and pages=..., got {opt!r} "
+                                 f"in {name!r}")
             kwargs[key] = value
         return TritonEngine(**kwargs)
     if base not in ENGINES or opts:

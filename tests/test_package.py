@@ -74,7 +74,7 @@ def test_the_wheel_holds_both_packages_the_text_and_the_commands(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         entry_points = next(z.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert {"kitty_core/__init__.py", "kitty_core/cache.py", "kernels/decode.py",
+    assert {"kitty_core/__init__.py", "kitty_core/cache.py", "kernels/decode.py", "kernels/cuda/decode.cu",
             "kitty_core/data/genesis_kjv.txt"} <= names
     assert not [n for n in names if n.startswith(("kitty_core/data/results", "tests/", "pages/"))]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]

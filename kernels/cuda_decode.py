@@ -1,0 +1,281 @@
+"""The page part of fused decode attention as a CUDA C++ kernel (`kernels/cuda/decode.cu`), built at
+first use with `torch.utils.cpp_extension.load_inline` and cached by torch's extension cache.
+
+The kernel reads the library's packed pages as they are stored (`kitty_core.cache.PagePool`) and
+writes the same partial softmaxes as the Triton page kernel, so the Triton tail kernel (the FP16
+sink, q-buffer and value window) and the combine stay as they are: `decode_attention` is the Triton
+step with its page launch replaced. Why the layout is chosen there (tensor-core fragments built from
+codes in registers, query heads as the narrow operand, the score tile transposed into the value
+operand with `movmatrix`, cp.async stages per warp) is written at the top of the .cu file.
+
+It takes head and page size 128, two-bit values, 0, 16, 32 or 64 boosted channels (0%, 12.5%, 25%,
+50% of 128), up to 8 query heads per KV head, fp16 or bf16 queries, on a GPU of compute capability
+8.0 or more with nvcc. `unsupported` says why not otherwise; callers then use the Triton kernel.
+Importing this module needs neither CUDA nor nvcc.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "cuda" / "decode.cu"
+HEAD_DIM = GROUP = 128
+BOOSTED = (0, 16, 32, 64)  # boosted channel counts with a build
+MAX_REP = 8  # query heads per KV head (the n = 8 operand)
+WARPS = 4  # programs (warps) per block: 2 blocks an SM at 2 stages
+
+_BINDING = r"""
+#include <vector>
+int64_t page_partials(std::vector<int64_t> p, std::vector<int64_t> n, double scaling) {
+  kitty::PageArgs a;
+  a.q = reinterpret_cast<const void*>(p[0]);
+  a.kd = reinterpret_cast<const uint8_t*>(p[1]); a.kh = reinterpret_cast<const uint8_t*>(p[2]);
+  a.kc = reinterpret_cast<const uint8_t*>(p[3]);
+  a.ks = reinterpret_cast<const half*>(p[4]); a.kz = reinterpret_cast<const half*>(p[5]);
+  a.vl = reinterpret_cast<const uint8_t*>(p[6]);
+  a.vs = reinterpret_cast<const half*>(p[7]); a.vz = reinterpret_cast<const half*>(p[8]);
+  a.kt = reinterpret_cast<const int*>(p[9]); a.vt = reinterpret_cast<const int*>(p[10]);
+  a.nvp = reinterpret_cast<const int*>(p[11]);
+  a.m = reinterpret_cast<float*>(p[12]); a.l = reinterpret_cast<float*>(p[13]);
+  a.acc = reinterpret_cast<void*>(p[14]);
+  a.sQb = n[0]; a.sQh = n[1]; a.sKDp = n[2]; a.sKDh = n[3]; a.sKHp = n[4]; a.sKHh = n[5];
+  a.sKCp = n[6]; a.sKCh = n[7]; a.sKSp = n[8]; a.sKSh = n[9]; a.sVLp = n[10]; a.sVLh = n[11];
+  a.sVSp = n[12]; a.sVSh = n[13]; a.sKT = n[14]; a.sVT = n[15];
+  a.sMb = n[16]; a.sMh = n[17]; a.sAb = n[18]; a.sAh = n[19]; a.sAc = n[20];
+  a.batch = n[21]; a.hkv = n[22]; a.rep = n[23]; a.ppp = n[24]; a.chunks = n[25]; a.chunk0 = n[26];
+  a.scaling = (float)scaling;
+  return kitty_pages_launch(a, (int)n[27], (int)n[28], reinterpret_cast<void*>(p[15]));
+}
+"""
+
+
+def unsupported(head_dim: int, group_size: int, n_boost: int, value_bits: int, rep: int, dtype: torch.dtype,
+                device: torch.device) -> str | None:
+    """Why the CUDA page kernel does not take this layer and query (None: it does)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "no CUDA device"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return f"compute capability {torch.cuda.get_device_capability(device)} < 8.0 (no cp.async / mma m16n8k16)"
+    if (head_dim, group_size) != (HEAD_DIM, GROUP):
+        return f"built for head and page size {HEAD_DIM}, got head size {head_dim}, page size {group_size}"
+    if value_bits != 2:
+        return f"built for 2-bit values, got {value_bits}-bit"
+    if n_boost not in BOOSTED:
+        return f"built for {BOOSTED} boosted channels, got {n_boost}"
+    if rep > MAX_REP:
+        return f"at most {MAX_REP} query heads per KV head, got {rep}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"fp16 or bf16 queries, got {dtype}"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None:
+        return "no CUDA toolkit (nvcc) found"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _build(n_boost: int, stages: int):
+    """The extension for `n_boost` boosted channels and `stages` cp.async stages (built once, then
+    loaded from torch's extension cache)."""
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(
+        name=f"kitty_pages_nb{n_boost}_s{stages}",
+        cpp_sources="int64_t page_partials(std::vector<int64_t> p, std::vector<int64_t> n, double scaling);",
+        cuda_sources=[SOURCE.read_text(), _BINDING],
+        functions=["page_partials"],
+        extra_cuda_cflags=["-O3", f"-DKITTY_NB={n_boost}", f"-DKITTY_STAGES={stages}"],
+    )
+
+
+def build(n_boost: int, stages: int = 2) -> str | None:
+    """Build (or load) the kernel for `n_boost`; the error's text where that fails, else None."""
+    try:
+        _build(n_boost, stages)
+    except Exception as e:  # noqa: BLE001 - any toolchain failure means: use Triton
+        return f"the CUDA build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
+    return None
+
+
+def _planes_ok(name: str, t: torch.Tensor) -> None:
+    """A pool plane [P, H, rows, width] (logical) must be stored [P, H, width, rows], contiguous per page
+    and head, as `PagePool` stores it."""
+    if t.stride(2) != 1 or t.stride(3) != max(t.shape[2], 1) or t.data_ptr() % 16:
+        raise ValueError(f"{name}: expected the pool's transposed, 16-byte aligned planes, got strides {t.stride()}")
+
+
+def pool_layout(k_pages: dict, v_pages: dict) -> bool:
+    """Are the planes stored as `PagePool` stores them (the layout `page_partials` reads)?"""
+    try:
+        _planes_ok("key dense plane", k_pages["dense"])
+        if k_pages["high"].shape[2]:
+            _planes_ok("key high plane", k_pages["high"])
+        _planes_ok("value plane", v_pages["low"])
+    except ValueError:
+        return False
+    return True
+
+
+def page_partials(q: torch.Tensor, k_pages: dict, v_pages: dict, k_table: torch.Tensor, v_table: torch.Tensor,
+                  n_vpages: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, *, rep: int,
+                  first_chunk: int, pages_per_program: int, chunks: int, scaling: float, stages: int = 2) -> None:
+    """Launch the page kernel on the current stream: program (sequence, KV head, c) for c < `chunks`
+    attends query heads [B, h*rep .. (h+1)*rep) of q [B, Hq, D] to packed slots c*PPP .. (c+1)*PPP - 1
+    (those below n_vpages[b]) and writes partial `first_chunk` + c of m, l [B, Hq, C] (fp32) and acc
+    [B, Hq, C, D] (q's dtype). k_pages / v_pages: the pools' field tensors (dense, high, boost_ch,
+    scale, zero / low, scale, zero), tables [B, width] and counts [B] int32."""
+    kd, kh, kc, ks, kz = (k_pages[f] for f in ("dense", "high", "boost_ch", "scale", "zero"))
+    vl, vs, vz = (v_pages[f] for f in ("low", "scale", "zero"))
+    nb = kh.shape[2]
+    b, hq, d = q.shape
+    hkv = kd.shape[1]
+    if not 1 <= pages_per_program <= 32:
+        raise ValueError(f"pages_per_program must be in [1, 32], got {pages_per_program}")
+    _planes_ok("key dense plane", kd)
+    if nb:
+        _planes_ok("key high plane", kh)
+    _planes_ok("value plane", vl)
+    for name, t in (("q", q), ("boost index", kc), ("key scale", ks), ("key zero", kz), ("value scale", vs),
+                    ("value zero", vz), ("m", m), ("l", l), ("acc", acc)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+    if k_table.dtype != torch.int32 or v_table.dtype != torch.int32 or n_vpages.dtype != torch.int32:
+        raise ValueError("page tables and counts must be int32")
+    if acc.dtype != q.dtype or m.dtype != torch.float32 or l.dtype != torch.float32:
+        raise ValueError(f"partials: m, l float32 and acc in the query's dtype, got {m.dtype}, {l.dtype}, {acc.dtype}")
+    ext = _build(nb, stages)
+    ptrs = [q.data_ptr(), kd.data_ptr(), kh.data_ptr() if nb else kd.data_ptr(), kc.data_ptr() if nb else kd.data_ptr(),
+            ks.data_ptr(), kz.data_ptr(), vl.data_ptr(), vs.data_ptr(), vz.data_ptr(), k_table.data_ptr(),
+            v_table.data_ptr(), n_vpages.data_ptr(), m.data_ptr(), l.data_ptr(), acc.data_ptr(),
+            torch.cuda.current_stream(q.device).cuda_stream]
+    sizes = [q.stride(0), q.stride(1), kd.stride(0), kd.stride(1), kh.stride(0), kh.stride(1),
+             kc.stride(0), kc.stride(1), ks.stride(0), ks.stride(1), vl.stride(0), vl.stride(1),
+             vs.stride(0), vs.stride(1), k_table.stride(0), v_table.stride(0),
+             m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
+             b, hkv, rep, pages_per_program, chunks, first_chunk, int(q.dtype == torch.bfloat16), WARPS]
+    err = ext.page_partials(ptrs, sizes, scaling * 1.4426950408889634)  # scores in base 2
+    if err:
+        raise RuntimeError(f"the CUDA page kernel did not launch (error {err})")
+
+
+def launch_plan(pairs: int, slots: int, sms: int) -> int:
+    """Pages per program for `pairs` (sequence, KV head) runs of up to `slots` packed pages on `sms`
+    SMs: the largest power of two up to 32 that still fills about one wave of programs (an SM holds
+    2 x WARPS of them): long runs keep the cp.async pipeline full and write few partials, and one
+    wave keeps every SM streaming. `python -m kitty_core.bench kernels --cuda --ppp 4,8,16,32` times
+    the others."""
+    resident = sms * 2 * WARPS
+    for ppp in (32, 16, 8, 4):
+        if pairs * -(-slots // ppp) >= 0.9 * resident:
+            return ppp
+    return 2
+
+
+@functools.lru_cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
+                     state: dict | None = None, pages_per_program: int | None = None,
+                     new: tuple | None = None) -> torch.Tensor:
+    """`kernels.decode.decode_attention` with its page launch done by the CUDA kernel: the Triton tail
+    (on a second stream) and combine as they are. The caller checks `unsupported` first."""
+    from .decode import decode_launches
+
+    st = state if state is not None else layer.kernel_state()
+    b, hq = query.shape[:2]
+    sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+    ppp = pages_per_program or launch_plan(b * layer.heads, st["max_slots"], sms)
+    (tail, pages, combine), out = decode_launches(layer, query, scaling, workspace, st, pages_per_program=ppp, new=new)
+    args = pages[2]
+    m, l, acc = args[-9], args[-8], args[-7]  # the partials, as decode_launches passes them
+    chunks = pages[1][1]
+    first = m.shape[2] - chunks
+    main, side = torch.cuda.current_stream(query.device), _side_stream(query.device)
+    side.wait_stream(main)
+    if pool_layout(st["k_pages"], st["v_pages"]):
+        page_partials(query[:, :, 0], st["k_pages"], st["v_pages"], st["k_table"], st["v_table"], st["n_vpages"],
+                      m, l, acc, rep=hq // layer.heads, first_chunk=first, pages_per_program=ppp, chunks=chunks,
+                      scaling=scaling)
+    else:  # a layer with no pages yet holds a stand-in page, not the pool's layout: Triton's launch
+        kernel, grid, pargs, options = pages
+        kernel[grid](*pargs, **options)
+    with torch.cuda.stream(side):
+        kernel, grid, targs, options = tail
+        kernel[grid](*targs, **options)
+    main.wait_stream(side)
+    kernel, grid, cargs, options = combine
+    kernel[grid](*cargs, **options)
+    return out
+
+
+def _plan(layer, slots: int) -> int:
+    sms = torch.cuda.get_device_properties(layer.device).multi_processor_count
+    return launch_plan(layer.batch * layer.heads, slots, sms)
+
+
+def step_workspace(layer, q_heads: int, workspace: dict) -> list[torch.Tensor]:
+    """`kernels.decode.step_workspace` for `DecodeStep`: the partials of steps whose grid spans the
+    layer's capacity, allocated now (before any graph is captured). Returns them."""
+    from .decode import decode_launches
+
+    slots = layer.capacity_slots()
+    state = dict(layer.kernel_state(), max_slots=slots)
+    q = torch.zeros(layer.batch, q_heads, 1, layer.head_dim, device=layer.device, dtype=layer.dtype)
+    decode_launches(layer, q, 1.0, workspace, state, pages_per_program=_plan(layer, slots))
+    return [workspace["m"], workspace["l"], workspace["acc"]]
+
+
+class DecodeStep:
+    """`kernels.decode.DecodeStep` (steps from device counters, launches planned once) with the page
+    launch done by the CUDA kernel: the Triton tail (which writes the step's token) and combine are
+    replayed through `plan.Launch`, the page kernel is launched with the step's query."""
+
+    def __init__(self, layer, workspace: dict):
+        self.layer, self.workspace = layer, workspace
+        self.key, self.launches, self.pages = None, None, None
+
+    def __call__(self, query: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor,
+                 scaling: float) -> torch.Tensor:
+        """query [B, Hq, 1, D], key_new and value_new [B, H, 1, D] -> [B, Hq, 1, D]."""
+        from .decode import decode_launches
+        from .plan import Launch
+
+        q, kn, vn = query[:, :, 0], key_new[:, :, 0], value_new[:, :, 0]
+        key = (query.shape, query.dtype, q.stride(), kn.stride(), vn.stride(), scaling)
+        if key != self.key or kn.stride(-1) != 1 or vn.stride(-1) != 1:
+            st = self.layer.kernel_state()
+            ppp = _plan(self.layer, st["max_slots"])
+            (tail, pages, combine), out = decode_launches(self.layer, query, scaling, self.workspace, st,
+                                                          pages_per_program=ppp,
+                                                          new=(key_new, value_new, self.layer.steps.write))
+            n = len(pages[2])  # the tail's arguments are the pages' and the token's
+            self.launches = (Launch(*tail, slots=(0, n, n + 3)), Launch(*combine, slots=(3,)))
+            m, l, acc = pages[2][-9], pages[2][-8], pages[2][-7]
+            chunks = pages[1][1]
+            self.pages = dict(k_pages=st["k_pages"], v_pages=st["v_pages"], k_table=st["k_table"],
+                              v_table=st["v_table"], n_vpages=st["n_vpages"], m=m, l=l, acc=acc,
+                              rep=query.shape[1] // self.layer.heads, first_chunk=m.shape[2] - chunks,
+                              pages_per_program=ppp, chunks=chunks, scaling=scaling)
+            self.key, kn, vn = key, tail[2][n], tail[2][n + 3]
+        else:
+            out = torch.empty(query.shape, device=query.device, dtype=query.dtype)  # as decode_launches makes it
+        tail, combine = self.launches
+        main, side = torch.cuda.current_stream(query.device), _side_stream(query.device)
+        side.wait_stream(main)
+        page_partials(q, **self.pages)
+        tail.run(q, kn, vn, stream=side)
+        main.wait_stream(side)
+        combine.run(out)
+        return out
+
+
+__all__ = ["unsupported", "build", "page_partials", "launch_plan", "decode_attention", "DecodeStep",
+           "step_workspace"]
