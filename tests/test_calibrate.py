@@ -8,7 +8,8 @@ import torch
 
 from conftest import tiny_model
 from kitty_core import KittyCache
-from kitty_core.calibrate import FORMAT, allocate, channel_costs, main, read
+from kitty_core.calibrate import (FORMAT, allocate, allocate_measured, channel_costs, count_grid, layer_costs, main,
+                                  read)
 
 
 def test_allocation_follows_the_costs_within_the_budget():
@@ -18,6 +19,34 @@ def test_allocation_follows_the_costs_within_the_budget():
     assert allocate(costs, 0.25) == [4, 2, 0]
     assert allocate(torch.ones(3, 2, 8), 0.25) == [2, 2, 2]  # equal costs: the paper's uniform rate
     assert allocate(costs, 0.0) == [0, 0, 0] and sum(allocate(costs, 1.0)) == 24
+
+
+def test_measured_allocation_minimizes_the_summed_kl_within_the_budget():
+    import pandas as pd
+
+    grid = [0, 2, 4, 8]
+    kl = {0: [1.0, 0.5, 0.3, 0.2], 1: [0.2, 0.19, 0.18, 0.17], 2: [0.6, 0.2, 0.1, 0.05]}  # by grid count
+    costs = pd.DataFrame([{"layer": i, "boosted": c, "kl": v[j]} for i, v in kl.items() for j, c in enumerate(grid)])
+    # 4 a layer, 12 in all: layer 1 gains little, so it gives its channels to layers 0 and 2
+    assert allocate_measured(costs, 4) == [8, 0, 4]  # 0.2 + 0.2 + 0.1 = 0.5 against 0.58 uniform, 0.55 [4, 0, 8]
+    assert allocate_measured(costs, 0) == [0, 0, 0]
+    with pytest.raises(ValueError, match="sum to 27 channels"):
+        allocate_measured(costs, 9)
+    assert count_grid(16, 64) == [0, 8, 16, 32, 64] and count_grid(8, 16) == [0, 4, 8, 16]
+
+
+def test_layer_costs_measure_each_layer_alone():
+    """A tiny llama (2 layers, head size 16): every channel boosted (INT4 keys) moves the predictions
+    less than none, layer by layer, and a layer's KL alone is not the other's."""
+    from kitty_core.probe import capture
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (1, 200 + 9), generator=torch.Generator().manual_seed(0))
+    costs = layer_costs(model, capture(model, ids), ids, "kitty-pro", 200, [0, 4, 16])
+    assert len(costs) == 6 and set(costs["boosted"]) == {0, 4, 16}
+    kl = costs.set_index(["layer", "boosted"])["kl"]
+    assert kl[0, 16] < kl[0, 0] and kl[1, 16] < kl[1, 0]
+    assert kl[0, 0] != kl[1, 0] and (kl > 0).all()
 
 
 def test_costs_sum_the_query_heads_of_a_kv_head():
@@ -85,5 +114,13 @@ def test_calibrate_writes_a_file_a_method_can_name(tmp_path, capsys):
     cache = KittyCache(lm.model, f"kitty-pro+allocation={out}")
     assert [layer.boost for layer in cache.layers] == data["channels_per_layer"]
     assert main(["--model", "demo", "--method", "kivi-k2v2", "--out", str(out)]) == 0  # rate 0: all zero
+    measured = tmp_path / "measured.json"
+    assert main(["--model", "demo", "--source", "kl", "--tokens", "160", "--scored", "4", "--counts", "0,16,64",
+                 "--out", str(measured)]) == 0
+    data = json.loads(measured.read_text())
+    assert sum(data["channels_per_layer"]) == 30 * 16 and set(data["channels_per_layer"]) <= {0, 16, 64}
+    assert len(data["calibration"]["measured"]) == 30 * 3
+    assert main(["--model", "demo", "--source", "kl", "--counts", "0,8", "--out", str(measured)]) == 2
+    assert "must hold the method's 16 channels" in capsys.readouterr().err
     assert main(["--model", "demo", "--method", "k4v2-sink", "--out", str(out)]) == 2
     assert "boosts no key channels" in capsys.readouterr().err
