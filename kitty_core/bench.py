@@ -30,6 +30,11 @@ def _model_options(p) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 "
                    "or float16 on a GPU)")
+    shard = p.add_mutually_exclusive_group()
+    shard.add_argument("--device-map", default=None, help="auto: whole layers placed across the visible GPUs "
+                       "(accelerate), for a model larger than one (random:llama-3.3-70b, random:qwen3-32b)")
+    shard.add_argument("--tp", action="store_true", help="tensor parallel over the GPUs of a torchrun job: "
+                       "torchrun --nproc-per-node 2 -m kitty_core.bench e2e --tp ...")
 
 
 def arguments():
@@ -489,7 +494,7 @@ def _setup(a):
     try:
         caches = _caches(a.caches)
         checks = [_validation(spec) for spec in filter(None, getattr(a, "validate", "").split(","))]
-        lm = load_model(a.model, device=a.device, dtype=a.dtype)
+        lm = load_model(a.model, device=a.device, dtype=a.dtype, device_map=a.device_map, tp=a.tp)
     except (ValueError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
@@ -597,7 +602,7 @@ def run_generate(a) -> int:
 
     try:
         batches = [int(b) for b in a.batch.split(",")]
-        lm = load_model(a.model, device=a.device, dtype=a.dtype)
+        lm = load_model(a.model, device=a.device, dtype=a.dtype, device_map=a.device_map, tp=a.tp)
     except (ValueError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
