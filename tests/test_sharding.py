@@ -98,6 +98,26 @@ def test_layer_sharded_generation_on_two_gpus(engine):
             assert all(t.device == layer.device for layer in cache.layers for t in layer.k_pages.store.values())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_demo_model_placed_over_two_gpus_generates_the_tokens_of_one():
+    """The demo model, its 30 layers balanced over two GPUs by accelerate, against the model on one
+    (kitty-pro, greedy, a left-padded batch). Its 3 KV heads do not split over two ranks: tensor
+    parallel takes the tiny model above."""
+    from kitty_core import load_model
+
+    one = load_model("demo", device="cuda:0", dtype="float16")
+    two = load_model("demo", dtype="float16", device_map="balanced")
+    assert set(two.model.hf_device_map.values()) == {0, 1}
+    enc = one.tokenizer(["The history of the printing press begins in", "Water boils at"], return_tensors="pt",
+                        padding=True).to("cuda:0")
+    for method in ("fp16", "kitty-pro"):
+        want, _ = _greedy(one.model, method, None, enc, new=64)
+        got, cache = _greedy(two.model, method, None, enc, new=64)
+        assert torch.equal(got, want), method
+        assert {layer.device.index for layer in cache.layers} == {0, 1}
+
+
 def test_placement_summary():
     dmap = _layer_map(6, [0, 1])
     assert placement_summary(dmap) == ("layers 0-2 on cuda:0, 3-5 on cuda:1; embed_tokens and rotary_emb on "

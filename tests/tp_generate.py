@@ -1,4 +1,4 @@
-"""Run by tests/test_sharding.py under torchrun (two ranks, gloo on CPU): greedy generations of a
+"""Run by tests/test_sharding.py under torchrun (two ranks: gloo on CPU, NCCL where two GPUs are): greedy generations of a
 model loaded tensor-parallel (`models.sharding_kwargs(tp=True)`), each rank's KittyCache holding its
 own KV heads, against the same model loaded whole in this process; then a model of the same config
 with random weights made sharded (`models.random_sharded`, as `bench e2e --tp` loads `random:`
@@ -32,10 +32,12 @@ def _generate(model, method, ids, mask):
 def main(model_dir: str, out: str) -> None:
     rank = int(os.environ["RANK"])
     sharded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **sharding_kwargs(None, True))
-    whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    device = next(sharded.parameters()).device  # cpu under gloo; this rank's GPU where NCCL runs it
+    whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     ids = torch.randint(3, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :8] = 0
+    ids, mask = ids.to(device), mask.to(device)
     lines = [f"ranks {tp_size(sharded)}, kv heads held {local_kv_heads(sharded)}"]
     for method in METHODS:
         got, cache = _generate(sharded, method, ids, mask)
