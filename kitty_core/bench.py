@@ -31,8 +31,9 @@ def _model_options(p) -> None:
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 "
                    "or float16 on a GPU)")
     shard = p.add_mutually_exclusive_group()
-    shard.add_argument("--device-map", default=None, choices=("auto", "balanced", "sequential"), help="auto: whole layers placed across the visible GPUs "
-                       "(accelerate), for a model larger than one (random:llama-3.3-70b, random:qwen3-32b)")
+    shard.add_argument("--device-map", default=None, choices=("auto", "balanced", "sequential"),
+                       help="whole layers placed across the visible GPUs by accelerate (auto fills the first GPUs "
+                       "first, balanced evens them out), for a model larger than one: random:llama-3.3-70b ...")
     shard.add_argument("--tp", action="store_true", help="tensor parallel over the GPUs of a torchrun job: "
                        "torchrun --nproc-per-node 2 -m kitty_core.bench e2e --tp ...")
 
@@ -114,7 +115,8 @@ def refusal(a) -> str | None:
 
 
 if __name__ == "__main__":
-    _why = refusal(arguments().parse_args())  # --help and usage errors answer here, before the imports below load torch
+    # --help, usage errors and what this process cannot do answer here, before the imports below load torch
+    _why = refusal(arguments().parse_args())
     if _why:
         print(f"error: {_why}", file=sys.stderr)
         sys.exit(2)

@@ -1,8 +1,9 @@
-"""Run by tests/test_sharding.py under torchrun (two ranks: gloo on CPU, NCCL where two GPUs are): greedy generations of a
-model loaded tensor-parallel (`models.sharding_kwargs(tp=True)`), each rank's KittyCache holding its
-own KV heads, against the same model loaded whole in this process; then a model of the same config
-with random weights made sharded (`models.random_sharded`, as `bench e2e --tp` loads `random:`
-shapes). Each rank writes what it found to OUT/rank{RANK}.txt, one finding a line.
+"""Run by tests/test_sharding.py under torchrun (two ranks: gloo on CPU, NCCL where two GPUs are):
+greedy generations of a model loaded tensor-parallel (`models.sharding_kwargs(tp=True)`), each
+rank's KittyCache holding its own KV heads, against the same model loaded whole in this process;
+then a model of the same config with random weights made sharded (`models.random_sharded`, as
+`bench e2e --tp` loads `random:` shapes). Each rank writes what it found to OUT/rank{RANK}.txt, one
+finding a line.
 
     torchrun --nproc-per-node 2 tests/tp_generate.py MODEL_DIR OUT
 """
@@ -42,7 +43,8 @@ def main(model_dir: str, out: str) -> None:
     for method in METHODS:
         got, cache = _generate(sharded, method, ids, mask)
         want, full = _generate(whole, method, ids, mask)
-        lines.append(f"equal {method}" if torch.equal(got, want) else f"differ {method}: {got.tolist()} {want.tolist()}")
+        same = torch.equal(got, want)
+        lines.append(f"equal {method}" if same else f"differ {method}: {got.tolist()} {want.tolist()}")
         heads = {layer.heads for layer in cache.layers}
         if heads != {local_kv_heads(sharded)}:
             lines.append(f"cache holds {heads} kv heads")
