@@ -175,12 +175,12 @@ def test_random_shapes_of_70b_class_models():
     assert round(counts["llama-3.3-70b"] / 1e9, 1) == 70.6 and round(counts["qwen3-32b"] / 1e9, 1) == 32.8
 
 
-def test_a_sharded_load_is_refused_clearly():
+def test_a_sharded_load_is_refused_clearly(monkeypatch):
     from kitty_core import bench
     from kitty_core.models import ModelLoadError, load_model
 
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        assert var not in os.environ
+        monkeypatch.delenv(var, raising=False)
     with pytest.raises(ModelLoadError, match="start this under torchrun"):
         load_model("random:llama-3.3-70b", tp=True)
     with pytest.raises(ModelLoadError, match="choose one"):
@@ -192,6 +192,9 @@ def test_a_sharded_load_is_refused_clearly():
     assert bench.refusal(bench.arguments().parse_args(["e2e", "--device-map", "auto"])) is None
     with pytest.raises(SystemExit):
         bench.arguments().parse_args(["e2e", "--device-map", "auto", "--tp"])  # one way or the other
+    for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2")):  # as torchrun starts it
+        monkeypatch.setenv(var, value)
+    assert bench.refusal(a) is None
 
 
 def test_a_random_model_sharded_by_a_device_map_matches_its_config():
