@@ -18,6 +18,7 @@ import torch
 
 from kitty_core import PRESETS, ModelLoadError, load_model, parse_method
 from kitty_core.models import LoadedModel
+from kitty_core.sharding import placement_summary
 
 DATA = Path(__file__).resolve().parent / "data"
 TEXT = DATA / "genesis_kjv.txt"
@@ -36,8 +37,13 @@ def gpu_lock() -> threading.Lock:
     return threading.Lock()
 
 
+ALL_GPUS = "all GPUs"  # the device choice, where several are visible, of a model split by layers over them
+
+
 @st.cache_resource(max_entries=1, show_spinner=False)
 def _model(name: str, device: str, dtype: str) -> LoadedModel:
+    if device == ALL_GPUS:  # whole layers placed across the GPUs by accelerate (`kitty_core.sharding`)
+        return load_model(name, dtype=dtype, device_map="auto")
     return load_model(name, device=device, dtype=dtype)
 
 
@@ -67,7 +73,10 @@ def sidebar() -> Frame:
     sb.title("Kitty Lab")
     name = sb.text_input("Model", "demo", help="demo | hub id | local directory | file.gguf").strip()
     cols = sb.columns(2)
-    device = cols[0].selectbox("Device", ["auto", "cpu", "cuda"])
+    several = [ALL_GPUS] if torch.cuda.device_count() > 1 else []
+    device = cols[0].selectbox("Device", ["auto", "cpu", "cuda", *several],
+                               help=f"{ALL_GPUS}: a model too large for one GPU, its layers placed across them"
+                               if several else None)
     dtype = cols[1].selectbox("Dtype", ["auto", "float32", "bfloat16", "float16"])
     preset = sb.selectbox("Method", list(PRESETS), index=list(PRESETS).index("kitty-pro"))
     config = PRESETS[preset]
@@ -86,8 +95,11 @@ def sidebar() -> Frame:
     sb.caption(f"**{lm.name}** on {lm.device}, {str(lm.dtype).removeprefix('torch.')}: {shape['layers']} layers, "
                f"{shape['q_heads']} query / {shape['kv_heads']} KV heads, head size {shape['head_dim']}, "
                f"context {shape['context']}")
+    if getattr(lm.model, "hf_device_map", None):
+        sb.caption(f"Placed by layers: {placement_summary(lm.model.hf_device_map)}")
     if lm.device.type == "cuda":
-        sb.caption(f"GPU memory in use: {torch.cuda.memory_allocated() / 2**30:.2f} GiB")
+        used = [f"{torch.cuda.memory_allocated(i) / 2**30:.2f}" for i in range(torch.cuda.device_count())]
+        sb.caption(f"GPU memory in use: {' + '.join(used)} GiB")
     elif not torch.cuda.is_available():
         sb.caption("No GPU here: the reference engine runs on the CPU.")
     return Frame(lm, (name, device, dtype), method, text)

@@ -144,8 +144,9 @@ class TritonEngine(ReferenceEngine):
         """The partials' buffers of a layer's decode attention, one set for all layers of its shape: a
         layer's combine reads them before the next layer's kernels write them (stream order; the tail's
         second stream joins before the combine). One set per layer would hold (layers - 1) x the
-        partials more, memory that a batch near the GPU's limit needs for pages."""
-        return self.workspaces.setdefault((layer.batch, layer.heads, layer.head_dim, layer.dtype), {})
+        partials more, memory that a batch near the GPU's limit needs for pages. One set per device, for
+        the layers of a model split over several by a device_map."""
+        return self.workspaces.setdefault((layer.batch, layer.heads, layer.head_dim, layer.dtype, layer.device), {})
 
     def device_step(self, layer, query, key_new, value_new, scaling: float) -> torch.Tensor:
         """A decode step from device counters (`kitty::decode_step`): query [B, Hq, 1, D] ->

@@ -30,6 +30,12 @@ def _model_options(p) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 | float16 | bfloat16 (default: float32 on CPU, bfloat16 "
                    "or float16 on a GPU)")
+    shard = p.add_mutually_exclusive_group()
+    shard.add_argument("--device-map", default=None, choices=("auto", "balanced", "sequential"),
+                       help="whole layers placed across the visible GPUs by accelerate (auto fills the first GPUs "
+                       "first, balanced evens them out), for a model larger than one: random:llama-3.3-70b ...")
+    shard.add_argument("--tp", action="store_true", help="tensor parallel over the GPUs of a torchrun job: "
+                       "torchrun --nproc-per-node 2 -m kitty_core.bench e2e --tp ...")
 
 
 def arguments():
@@ -108,8 +114,20 @@ def arguments():
     return p
 
 
+def refusal(a) -> str | None:
+    """What the command line asks that this process cannot do, known before torch loads."""
+    if getattr(a, "tp", False) and not all(v in os.environ for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return (f"--tp runs one process per GPU, started by torchrun: torchrun --nproc-per-node 2 -m "
+                f"kitty_core.bench {a.what} --tp ... (or --device-map auto in one process)")
+    return None
+
+
 if __name__ == "__main__":
-    arguments().parse_args()  # --help and usage errors answer here, before the imports below load torch
+    # --help, usage errors and what this process cannot do answer here, before the imports below load torch
+    _why = refusal(arguments().parse_args())
+    if _why:
+        print(f"error: {_why}", file=sys.stderr)
+        sys.exit(2)
 
 import json  # noqa: E402
 import shlex  # noqa: E402
@@ -509,7 +527,7 @@ def real_table(checks: list[dict], points: pd.DataFrame) -> pd.DataFrame:
 
 
 SETUP = ("model", "shape", "gpu", "dtype", "torch", "transformers", "prompt", "generate", "budget_gib", "points",
-         "steps", "decode", "fused", "alloc_conf")
+         "steps", "decode", "fused", "alloc_conf", "sharding")
 
 
 def same_setup(a: dict, b: dict) -> bool:
@@ -566,7 +584,7 @@ def _setup(a):
     try:
         caches = _caches(a.caches)
         checks = [_validation(spec) for spec in filter(None, getattr(a, "validate", "").split(","))]
-        lm = load_model(a.model, device=a.device, dtype=a.dtype)
+        lm = load_model(a.model, device=a.device, dtype=a.dtype, device_map=a.device_map, tp=a.tp)
     except (ValueError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
@@ -575,6 +593,16 @@ def _setup(a):
 
         fuse(lm.model)  # before any cache: every one decodes through the same model
     return caches, checks, lm
+
+
+def _sharding(model) -> str | None:
+    """How the model is split over GPUs, in words (None: on one device)."""
+    from .sharding import placement_summary, tp_size
+
+    if tp_size(model) > 1:
+        return f"tensor parallel over {tp_size(model)} ranks"
+    dmap = getattr(model, "hf_device_map", None)
+    return f"device map: {placement_summary(dmap)}" if dmap else None
 
 
 def run_e2e(a) -> int:
@@ -601,6 +629,10 @@ def run_e2e(a) -> int:
                 "budget_gib": a.budget_gib, "points": a.points, "steps": a.steps, "decode": a.decode, "caches": caches,
                 "fused": is_fused(lm.model), "launch": launch_defaults(),
                 "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    sharding = _sharding(lm.model)
+    if sharding:  # absent for a model on one device, as in the files of runs from before sharding
+        settings["sharding"] = sharding
+    rank = int(os.environ.get("RANK", 0)) if a.tp else 0  # every rank measures; rank 0 writes the file
 
     command = "python -m kitty_core.bench " + shlex.join(a.argv)  # quoted as a shell takes it back
     settings["runs"] = [{"command": command, "caches": caches}]
@@ -623,7 +655,7 @@ def run_e2e(a) -> int:
         return run
 
     def save():  # after every row, so that an interrupted run keeps what it measured
-        if a.out:
+        if a.out and rank == 0:
             write_text(a.out, json.dumps(current(), indent=1, default=float))
 
     with progress_bar("e2e sweep", "row") as progress:  # rows to come are not known: the bar counts them
@@ -674,7 +706,7 @@ def run_generate(a) -> int:
 
     try:
         batches = [int(b) for b in a.batch.split(",")]
-        lm = load_model(a.model, device=a.device, dtype=a.dtype)
+        lm = load_model(a.model, device=a.device, dtype=a.dtype, device_map=a.device_map, tp=a.tp)
     except (ValueError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -709,6 +741,9 @@ def _each(shapes):
 def main(argv=None) -> int:
     a = arguments().parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
+    if refusal(a):
+        print(f"error: {refusal(a)}", file=sys.stderr)
+        return 2
     if getattr(a, "out", None):
         try:
             writable(a.out)  # before any model loads or kernel runs

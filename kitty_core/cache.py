@@ -23,6 +23,7 @@ reads it to attend. The transformers glue (attention function, mask) is in `hf.p
 from __future__ import annotations
 
 import weakref
+from contextlib import nullcontext
 from dataclasses import fields
 
 import numpy as np
@@ -578,7 +579,8 @@ class KittyLayer(CacheLayerMixin):
         owner = self.owner()
         if self.steps is not None and owner is not None:  # a prefill into a cache in device-driven steps
             owner.end_device_steps()
-        out = self._attend_from_host(module, query, key_new, value_new, attention_mask, scaling, **kwargs)
+        with on_device(self.device):
+            out = self._attend_from_host(module, query, key_new, value_new, attention_mask, scaling, **kwargs)
         if self.last and owner is not None:
             owner.begin_device_steps_if_possible()
         return out
@@ -602,6 +604,10 @@ class KittyLayer(CacheLayerMixin):
         tensor operations (one page per sequence packed in one call). In a padded batch the sequences
         are in different states: a decode token is written to each sequence's own region and position
         in one indexed write; a prefill goes sequence by sequence."""
+        with on_device(self.device):
+            self._insert_tokens(key_new, value_new, pack)
+
+    def _insert_tokens(self, key_new: torch.Tensor, value_new: torch.Tensor, pack: bool) -> None:
         self._packed = {"k": {}, "v": {}}  # a rollback reaches back to the latest forward only
         t = key_new.shape[2]
         if self.window is not None and t > 1 and not any(self.pad):
@@ -1117,7 +1123,11 @@ class KittyCache(Cache):
         n = len(windows)
         if not fp16_layers <= set(range(n)):
             raise ValueError(f"fp16_layers must be layer indices in [0, {n - 1}], got {sorted(fp16_layers)}")
-        self.q_heads = model_shape(model.config)["q_heads"]
+        shape = model_shape(model.config)
+        # query heads per KV head: under tensor parallel a rank's layers hold a slice of the KV heads
+        # (`sharding`), and the kernels take that rank's query heads, this many per KV head it holds
+        self.group = shape["q_heads"] // shape["kv_heads"]
+        self.q_heads = shape["q_heads"]
         self.counters = None
         self._layout = None  # the state's addresses the counters' CUDA graphs were recorded against
         self.softcap = softcapping(model.config)
@@ -1186,7 +1196,12 @@ class KittyCache(Cache):
         if any(layer.is_sliding for layer in self.layers):
             return ("this model has sliding-window layers, which the Triton kernels do not take (they attend to every "
                     "token a layer holds): its steps attend through the reference path")
-        if not self.engine.takes(first, self.q_heads, first.device.type == "cuda"):
+        devices = {layer.device for layer in self.layers if layer.is_initialized}
+        if len(devices) > 1:
+            # the counters a step reads live on one device, and one CUDA graph captures one device's work
+            return (f"its layers are on {len(devices)} devices (a device_map): its steps attend from host state, "
+                    "each layer on its own device")
+        if not self.engine.takes(first, self.group * first.heads, first.device.type == "cuda"):
             return (f"the Triton kernels do not take this shape (page size {self.config.group_size}, head size "
                     f"{first.head_dim}: powers of two >= 64 on a GPU), so its steps attend from host state")
         if first.max_length is None and not reserve:
@@ -1217,7 +1232,7 @@ class KittyCache(Cache):
         for layer in self.layers:  # what the steps' graphs will hold, where it is
             layer.k_pages.reserve_slots(layer.capacity_slots())
             layer.v_pages.reserve_slots(layer.capacity_slots())
-            tensors = layer.state_tensors() + self.engine.prepare_steps(layer, self.q_heads)
+            tensors = layer.state_tensors() + self.engine.prepare_steps(layer, self.group * layer.heads)
             layout += [t.data_ptr() for t in tensors]
         if self.counters is None or layout != self._layout or by_operator != self.counters.by_operator:
             if self.counters is not None:
@@ -1274,6 +1289,12 @@ class KittyCache(Cache):
         packed = [layer.advance_host() for layer in self.layers]
         if any(packed):
             self.sync_device_steps()
+
+
+def on_device(device: torch.device):
+    """Make `device` current while a layer's kernels run: Triton launches on the current CUDA device, and
+    the layers of a model split by a device_map are on several (a no-op off CUDA)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def _on_cuda(model) -> bool:

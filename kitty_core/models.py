@@ -36,6 +36,13 @@ RANDOM_SHAPES = {
     "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                          max_position_embeddings=131072, rope_theta=500000.0),
+    # 70B-class shapes, which a GPU of 141 GB does not hold in bf16: load them with device_map or tp
+    "llama-3.3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                          max_position_embeddings=131072, rope_theta=500000.0),
+    "qwen3-32b": dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                      max_position_embeddings=40960, rope_theta=1000000.0),
 }
 
 
@@ -98,8 +105,14 @@ def load_model(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     trust_remote_code: bool = False,
+    device_map: str | dict | None = None,
+    tp: bool = False,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer, ready for a KittyCache. Raises ModelLoadError."""
+    """Load a causal LM and its tokenizer, ready for a KittyCache. Raises ModelLoadError.
+
+    A model larger than one GPU is sharded by transformers (`sharding`): `device_map` ("auto", or a
+    dict of module name -> device) places whole layers across the visible GPUs (accelerate), `tp=True`
+    splits every layer's heads over the ranks of the torchrun job this process belongs to."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name = (name or "").strip()
@@ -120,9 +133,10 @@ def load_model(
             raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {dtype!r}")
         dtype = DTYPES[dtype]
     dtype = dtype if isinstance(dtype, torch.dtype) else default_dtype(device)
+    sharded = sharding_kwargs(device_map, tp)
 
     if name.startswith("random:"):
-        return _random_model(name, device, dtype)
+        return _random_model(name, device, dtype, sharded)
     if name == DEMO:
         source = str(_converted_gguf(demo_gguf_path()))
     elif name.lower().endswith(".gguf"):
@@ -145,7 +159,7 @@ def load_model(
     kw = {"trust_remote_code": trust_remote_code, "local_files_only": offline}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kw)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kw, **sharded)
     except Exception as err:  # noqa: BLE001  (pickle, safetensors, a config transformers cannot build ...: all say why)
         if local:
             where = "the local directory"
@@ -165,14 +179,42 @@ def load_model(
         raise ModelLoadError(str(err)) from err
     if getattr(model.config, "is_encoder_decoder", False):
         raise ModelLoadError(f"{name!r} is an encoder-decoder model; Kitty caches decoder-only LMs")
-    model.to(device).eval()
+    if sharded:
+        device = next(model.parameters()).device  # where its inputs go: the embeddings' device
+    else:
+        model.to(device)
+    model.eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return LoadedModel(model, tokenizer, name, source, device, dtype)
 
 
-def _random_model(name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # what accelerate places by itself
+
+
+def sharding_kwargs(device_map, tp: bool) -> dict:
+    """from_pretrained's arguments for a sharded model (none for one on one device)."""
+    from .sharding import torchrun_world
+
+    if device_map is not None and tp:
+        raise ModelLoadError("device_map and tensor parallel are two ways to shard a model: choose one")
+    if tp:
+        if torchrun_world() is None:
+            raise ModelLoadError("tensor parallel runs one process per GPU: start this under torchrun, e.g. "
+                                 "`torchrun --nproc-per-node 2 -m kitty_core.bench e2e --tp ...`")
+        from transformers import DistributedConfig
+
+        return {"distributed_config": DistributedConfig(tp_plan="auto")}
+    if device_map is None:
+        return {}
+    if isinstance(device_map, str) and device_map not in DEVICE_MAPS:
+        raise ModelLoadError(f"device_map must be one of {', '.join(DEVICE_MAPS)} or a dict of module name -> "
+                             f"device, got {device_map!r}")
+    return {"device_map": device_map}
+
+
+def _random_model(name: str, device: torch.device, dtype: torch.dtype, sharded: dict | None = None) -> LoadedModel:
     """A model of a published shape with random weights (no tokenizer): for timing, not for text."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -182,9 +224,35 @@ def _random_model(name: str, device: torch.device, dtype: torch.dtype) -> Loaded
     kw = dict(RANDOM_SHAPES[shape])
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
     torch.manual_seed(0)
+    if sharded:
+        model = random_sharded(cfg, dtype, sharded)
+        return LoadedModel(model, None, name, name, next(model.parameters()).device, dtype)
     with device:
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return LoadedModel(model.eval(), None, name, name, device, dtype)
+
+
+def random_sharded(cfg, dtype: torch.dtype, sharded: dict):
+    """A model of `cfg` with random weights, sharded as `sharded` (from_pretrained's device_map or
+    distributed_config) says. from_pretrained is what places and splits a model, and it initializes
+    every weight a checkpoint lacks: so it loads a checkpoint with none, and each device (each rank)
+    creates only its own part, never the whole model in one place. Every rank seeds alike, so the
+    weights they replicate (norms, embeddings) agree."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    with tempfile.TemporaryDirectory() as empty:
+        cfg.save_pretrained(empty)
+        save_file({}, os.path.join(empty, "model.safetensors"), metadata={"format": "pt"})
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity_error()  # its report would list every weight as missing, which is the point
+        try:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_pretrained(empty, dtype=dtype, **sharded)
+        finally:
+            logging.set_verbosity(verbosity)
+    return model.eval()
 
 
 def _in_hub_cache(repo_id: str) -> bool:

@@ -50,6 +50,7 @@ from .cache import KittyCache, KittyLayer
 from .config import parse_method
 from .graphs import CompiledDecoder, GraphedDecoder, StepCounters, can_graph, cudagraph_trees_for_this_thread
 from .hf import PendingKV, num_attention_layers
+from .sharding import attention_devices, local_kv_heads
 from .telemetry import sampled
 
 BASELINES = ("dynamic", "static", "static-compiled", "quantized", "fp16-prealloc")
@@ -143,6 +144,8 @@ class PreallocatedCache(Cache):
         first = self.layers[0]
         if not first.is_initialized:
             raise ValueError("this cache cannot decode from device counters: it is empty, prefill it first")
+        if len({layer.keys.device for layer in self.layers}) > 1:  # counters on one device, a graph captures one
+            raise ValueError("this cache cannot decode from device counters: its layers are on several devices")
         self.counters = StepCounters(first.keys.shape[0], 1, first.keys.device)
         for layer in self.layers:
             layer.steps = self.counters
@@ -240,7 +243,8 @@ def _kv_shape(model) -> tuple[int, int, torch.dtype, torch.device]:
 def fill(cache: Cache, model, batch: int, tokens: int, chunk: int | None = None) -> None:
     """Append `tokens` random tokens per sequence to every layer of the cache, in chunks (by default
     about 2^26 elements each, so that the temporaries stay small next to the cache)."""
-    heads, dim, dtype, device = _kv_shape(model)
+    _, dim, dtype, device = _kv_shape(model)
+    heads, devices = local_kv_heads(model), attention_devices(model)  # a sharded model's (`sharding`)
     chunk = chunk or max(128, min(4096, (1 << 26) // (batch * heads * dim) // 128 * 128))
     spread = torch.linspace(0.2, 4.0, dim, device=device, dtype=dtype)
     done = 0
@@ -248,15 +252,19 @@ def fill(cache: Cache, model, batch: int, tokens: int, chunk: int | None = None)
         n = min(chunk, tokens - done)
         k = torch.randn(batch, heads, n, dim, device=device, dtype=dtype) * spread
         v = torch.randn_like(k)
+        on = {device: (k, v)}  # the chunk copied once to each device that layers run on
         for i, layer in enumerate(cache.layers):
+            if devices[i] not in on:
+                on[devices[i]] = (k.to(devices[i]), v.to(devices[i]))
+            ki, vi = on[devices[i]]
             if isinstance(layer, (KittyLayer, PreallocatedLayer)):
                 if not layer.is_initialized:
-                    layer.lazy_initialization(k, v)
-                layer.insert(k, v)
+                    layer.lazy_initialization(ki, vi)
+                layer.insert(ki, vi)
             else:
-                cache.update(k, v, i)
+                cache.update(ki, vi, i)
         done += n
-        del k, v
+        del k, v, on
 
 
 def forward(model, cache: Cache, ids: torch.Tensor):
@@ -310,7 +318,18 @@ def _is_oom(err: BaseException) -> bool:
 
 
 def allocated() -> int:
-    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    """Bytes allocated on every GPU (a model sharded by a device map holds its layers on several)."""
+    return sum(torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count()))
+
+
+def reset_peak() -> None:
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.reset_peak_memory_stats(i)
+
+
+def peak_per_gpu() -> int:
+    """The peak allocation of the fullest GPU since `reset_peak`: what decides whether a batch fits."""
+    return max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count()))
 
 
 WORKING_VIEWS = ("_view_k", "_view_v")  # the reference engine's dense FP16 working copy (cache.py)
@@ -353,8 +372,7 @@ def fits(model, kind: str, batch: int, length: int, budget_bytes: int | None = N
     (or more cache bytes than `budget_bytes`) is caught and released."""
     _free()
     base = allocated()
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+    reset_peak()
     cache = None
     try:
         cache = make_cache(kind, model, length)
@@ -366,7 +384,7 @@ def fits(model, kind: str, batch: int, length: int, budget_bytes: int | None = N
         kv = cache_bytes(cache)
         if budget_bytes is not None and kv > budget_bytes:
             return False, {"kv_bytes": kv, "reason": "over budget"}
-        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else base + kv
+        peak = peak_per_gpu() if torch.cuda.is_available() else base + kv
         return True, {"kv_bytes": kv, "kv_bytes_allocated": allocated() - base, "peak_bytes": peak}
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not _is_oom(err):
@@ -496,8 +514,7 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
     `decode`: how steps are taken where the cache allows ("compiled", "graph" or "eager", `_decoder`)."""
     _free()
     device = next(model.parameters()).device
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+    reset_peak()
     base = allocated()
     room = WARMUP + steps  # warm-up and timed steps after each point
     lengths = timed_lengths(kind, prompt, generate, points, room)
@@ -544,7 +561,7 @@ def measure(model, kind: str, batch: int, prompt: int, generate: int, points: in
     rest = prompt + generate - cache.get_seq_length()
     if rest > 0:
         fill(cache, model, batch, rest)
-    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    peak = peak_per_gpu() if torch.cuda.is_available() else None
     kv, view = cache_bytes(cache), cache_bytes(cache, views=True)
     tokens_held = int(cache.get_seq_length())
     del cache, step, sync
