@@ -41,11 +41,15 @@ def test_layer_costs_measure_each_layer_alone():
     from kitty_core.probe import capture
 
     model = tiny_model("llama")
+    with torch.no_grad():  # peaked attention over keys whose channels differ in scale, as a trained model's do
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight *= 4
+            layer.self_attn.k_proj.weight *= torch.linspace(1, 8, 32)[:, None]
     ids = torch.randint(3, 256, (1, 200 + 9), generator=torch.Generator().manual_seed(0))
     costs = layer_costs(model, capture(model, ids), ids, "kitty-pro", 200, [0, 4, 16])
     assert len(costs) == 6 and set(costs["boosted"]) == {0, 4, 16}
     kl = costs.set_index(["layer", "boosted"])["kl"]
-    assert kl[0, 16] < kl[0, 0] and kl[1, 16] < kl[1, 0]
+    assert kl[0, 16] < kl[0, 4] < kl[0, 0] and kl[1, 16] < kl[1, 4] < kl[1, 0]
     assert kl[0, 0] != kl[1, 0] and (kl > 0).all()
 
 
