@@ -119,10 +119,10 @@ def test_calibrate_writes_a_file_a_method_can_name(tmp_path, capsys):
     assert [layer.boost for layer in cache.layers] == data["channels_per_layer"]
     assert main(["--model", "demo", "--method", "kivi-k2v2", "--out", str(out)]) == 0  # rate 0: all zero
     measured = tmp_path / "measured.json"
-    assert main(["--model", "demo", "--source", "kl", "--tokens", "160", "--scored", "4", "--counts", "0,16,64",
+    assert main(["--model", "demo", "--source", "kl", "--tokens", "160", "--scored", "2", "--counts", "0,16,32",
                  "--out", str(measured)]) == 0
     data = json.loads(measured.read_text())
-    assert sum(data["channels_per_layer"]) == 30 * 16 and set(data["channels_per_layer"]) <= {0, 16, 64}
+    assert sum(data["channels_per_layer"]) == 30 * 16 and set(data["channels_per_layer"]) <= {0, 16, 32}
     assert len(data["calibration"]["measured"]) == 30 * 3
     assert main(["--model", "demo", "--source", "kl", "--counts", "0,8", "--out", str(measured)]) == 2
     assert "must hold the method's 16 channels" in capsys.readouterr().err
