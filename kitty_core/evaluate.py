@@ -49,7 +49,7 @@ import torch  # noqa: E402
 from .cache import KittyCache, available_engines, make_engine  # noqa: E402
 from .config import parse_method  # noqa: E402
 from .models import ModelLoadError, load_model  # noqa: E402
-from .results import boost_share  # noqa: E402
+from .results import boost_share, stamp  # noqa: E402
 
 
 def text_windows(tokenizer, text: str, context: int, continuation: int, windows: int) -> torch.Tensor:
@@ -109,7 +109,16 @@ def evaluate(
 ) -> pd.DataFrame:
     """One row per method: perplexity, kl, top1 (against `fp16`), bits per element, seconds."""
     methods = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
+    if not methods:
+        raise ValueError("no methods given: name at least one, e.g. fp16,kitty-pro")
     configs = {m: parse_method(m) for m in methods}  # fail fast on a bad name
+    for name, value in (("context", context), ("continuation", continuation), ("windows", windows)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if limit and context + continuation > limit:
+        raise ValueError(f"context + continuation ({context} + {continuation} tokens) is beyond the model's context "
+                         f"of {limit}; shorten them")
     if text is None:
         text = DEFAULT_TEXT.read_text()
     ids = text_windows(tokenizer, text, context, continuation, windows)
@@ -182,8 +191,11 @@ def _display_path(path: Path) -> str:
 def main(argv=None) -> int:
     a = arguments().parse_args(argv)
     try:
+        if not [m for m in a.methods.split(",") if m.strip()]:
+            raise ValueError("--methods is empty: name at least one method, e.g. fp16,kitty-pro")
         for m in a.methods.split(","):
-            parse_method(m.strip())
+            if m.strip():
+                parse_method(m.strip())
         if a.engine:
             make_engine(a.engine)  # a wrong engine name fails here, before the model loads
         if a.json:
@@ -203,7 +215,7 @@ def main(argv=None) -> int:
                     "windows": a.windows, "device": str(lm.device), "dtype": str(lm.dtype),
                     "engine": a.engine or ("triton" if lm.device.type == "cuda" and "triton" in available_engines()
                                            else "reference")}
-        write_text(a.json, json.dumps({"settings": settings, "results": df.to_dict(orient="records")}, indent=2))
+        write_text(a.json, json.dumps(stamp({"settings": settings, "results": df.to_dict(orient="records")}), indent=2))
     return 0
 
 
