@@ -108,9 +108,10 @@ def _kept(key: str, default=None, on_change=None) -> dict:
     the value is also kept under a key of its own and handed back to the widget when a page draws
     it again. The widget gets its value from the session alone (no default beside it)."""
     ss = st.session_state
-    if key not in ss:
-        ss[key] = ss.get(f"kept:{key}", default)
-    ss[f"kept:{key}"] = ss[key]  # the value this run draws: a widget's new value is in the session before the run
+    # a widget's new value is in the session before the run; set again here so that the widget a
+    # new page draws (a new widget to Streamlit) starts from it
+    value = ss[key] if key in ss else ss.get(f"kept:{key}", default)
+    ss[key] = ss[f"kept:{key}"] = value
     return {"key": key, "on_change": on_change}
 
 

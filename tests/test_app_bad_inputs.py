@@ -51,10 +51,16 @@ def test_two_choices_of_dtype_keep_both_models(monkeypatch):
     import kitty_app
 
     monkeypatch.setattr(kitty_app, "MODELS_KEPT", 2)
+    loads = []
+    load = kitty_app.load_model
+    monkeypatch.setattr(kitty_app, "load_model", lambda *a, **kw: loads.append(kw["dtype"]) or load(*a, **kw))
     first, second = run("pages/0_Overview.py"), run("pages/0_Overview.py")
     second.sidebar.selectbox(key="sb_dtype").set_value("bfloat16").run()
+    loaded = len(loads)
     first.run()
     second.run()
+    first.run()
+    assert len(loads) == loaded and loads.count("bfloat16") == 1
     assert ("demo", "auto", "auto") in kitty_app.loaded_models() and ("demo", "auto", "bfloat16") in kitty_app.loaded_models()
     assert any("Models kept loaded: at most 2" in c.value for c in first.sidebar.caption)
     assert any("bfloat16" in c.value for c in second.sidebar.caption)
