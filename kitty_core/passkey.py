@@ -64,8 +64,10 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: str) -> str:
 
 @torch.inference_mode()
 def run_passkey(model, tokenizer, methods, lengths, depths=(0.1, 0.5, 0.9), trials: int = 1, seed: int = 0,
-                engine: str | None = None, progress=None) -> pd.DataFrame:
-    """One row per (method, length, depth, trial): the key, the answer, and whether it was retrieved."""
+                engine: str | None = None, progress=None, rows: list | None = None) -> pd.DataFrame:
+    """One row per (method, length, depth, trial): the key, the answer, and whether it was retrieved.
+    `rows`: a list the rows are appended to as each batch finishes, so that a caller keeps them when
+    the run is interrupted."""
     methods = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
     if not methods:
         raise ValueError("no methods given: name at least one, e.g. fp16,kitty-pro")
@@ -86,7 +88,7 @@ def run_passkey(model, tokenizer, methods, lengths, depths=(0.1, 0.5, 0.9), tria
             raise ValueError(f"length {length} exceeds the model's context of {limit} tokens")
         cases = [(d, t, f"{rng.randrange(10000, 100000)}") for d in depths for t in range(trials)]
         batches.append((length, cases, [passkey_prompt(tokenizer, length, d, key) for d, _, key in cases]))
-    rows, jobs = [], len(methods) * len(lengths)
+    rows, jobs = [] if rows is None else rows, len(methods) * len(lengths)
     for li, (length, cases, prompts) in enumerate(batches):
         enc = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
         for mi, m in enumerate(methods):
@@ -115,6 +117,7 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
 
 def main(argv=None) -> int:
     a = arguments().parse_args(argv)
+    rows = []  # the trials done, kept if the run is interrupted
     try:
         lengths = numbers(a.lengths, int, "--lengths", "1024,2048")
         depths = numbers(a.depths, float, "--depths", "0.1,0.5,0.9")
@@ -126,10 +129,18 @@ def main(argv=None) -> int:
             writable(a.csv)
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
         with progress_bar("passkey batches", "batch") as progress:
-            df = run_passkey(lm.model, lm.tokenizer, a.methods, lengths, depths, a.trials, a.seed, progress=progress)
+            df = run_passkey(lm.model, lm.tokenizer, a.methods, lengths, depths, a.trials, a.seed, progress=progress,
+                             rows=rows)
     except (ValueError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # the trials done, beside the target: an earlier complete file there stays as it was
+        if a.csv and rows:
+            partial = a.csv.with_name(f"{a.csv.stem}.partial{a.csv.suffix}")
+            write_csv(partial, pd.DataFrame(rows))
+            print(f"interrupted: the {len(rows)} trials done are in {partial}", file=sys.stderr)
+        return 130
     print(summary(df).to_string(float_format=lambda x: f"{x:.2f}"))
     if a.csv:
         write_csv(a.csv, df)

@@ -278,3 +278,24 @@ def test_a_truncated_gguf_is_named_as_incomplete(tmp_path, monkeypatch):
                                              r"past the end of the file, so it is incomplete .*fetch it again"):
         load_model(str(cut), device="cpu")
     assert not any((tmp_path / "cache" / "gguf").iterdir())  # no half-converted model left to be picked up
+
+
+def test_an_interrupted_evaluation_keeps_what_it_scored_beside_the_earlier_file(tmp_path, monkeypatch, capsys):
+    from kitty_core import evaluate as ev
+
+    target = tmp_path / "accuracy_demo.json"
+    target.write_text('{"run": 1}')
+    scored = ev.continuation_logprobs
+
+    def interrupted(model, ids, context, method, engine=None, progress=None):
+        if method != "fp16":
+            raise KeyboardInterrupt  # Ctrl-C while the second method is scored
+        return scored(model, ids, context, method, engine, progress)
+
+    monkeypatch.setattr(ev, "continuation_logprobs", interrupted)
+    argv = ["--methods", "fp16,kitty-pro", "--context", "8", "--continuation", "2", "--windows", "1", "--json", str(target)]
+    assert ev.main(argv) == 130
+    assert target.read_text() == '{"run": 1}'  # the earlier file as it was
+    partial = json.loads((tmp_path / "accuracy_demo.partial.json").read_text())
+    assert partial["settings"]["interrupted"] and [r["method"] for r in partial["results"]] == ["fp16"]
+    assert "the 1 methods scored are in" in capsys.readouterr().err
