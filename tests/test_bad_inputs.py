@@ -299,3 +299,16 @@ def test_an_interrupted_evaluation_keeps_what_it_scored_beside_the_earlier_file(
     partial = json.loads((tmp_path / "accuracy_demo.partial.json").read_text())
     assert partial["settings"]["interrupted"] and [r["method"] for r in partial["results"]] == ["fp16"]
     assert "the 1 methods scored are in" in capsys.readouterr().err
+
+
+def test_an_empty_prompt_through_a_kitty_cache_says_so():
+    """model.generate on no tokens with a KittyCache: refused by name, not the model's reshape error."""
+    import torch
+
+    from conftest import tiny_model
+    from kitty_core import KittyCache
+
+    model = tiny_model("llama", layers=1)
+    with pytest.raises(ValueError, match=r"the input has no tokens \(an empty prompt\?\): give at least one token"):
+        model.generate(torch.zeros((1, 0), dtype=torch.long), max_new_tokens=2, do_sample=False,
+                       past_key_values=KittyCache(model, "kitty-pro"))
