@@ -22,7 +22,7 @@ ids = prompt_ids(frame, int(tokens))
 try:
     check_measurable(ids.shape[1])
 except ValueError as err:
-    st.error(f"The prompt source is {err}, or pick the shipped text.")
+    st.error(f"The prompt source: {err}, or pick the shipped text.")
     st.stop()
 if ids.shape[1] < tokens:
     st.caption(f"The prompt source has {ids.shape[1]:,} tokens, fewer than the {int(tokens):,} asked: all of them are measured.")

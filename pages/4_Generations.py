@@ -9,9 +9,9 @@ import streamlit as st
 
 from kitty_app import DATA, TEXT, Progress, gpu_turn, sidebar
 from kitty_core import PRESETS
+from kitty_core.cli import numbers
 from kitty_core.generate import compare_generations, long_context, read_generations
 from kitty_core.passkey import passkey_prompt, run_passkey
-from kitty_core.cli import numbers
 from kitty_core.results import ResultFileError, read_passkey
 
 SAVED = DATA / "results" / "generations_demo_cpu.json"
