@@ -1,7 +1,10 @@
 """Kitty Lab: `streamlit run app.py`. The entry point names the seven pages; each page draws the shared
-sidebar (model, method, boost rate) itself, from `kitty_app`."""
+sidebar (model, method, boost rate) itself, from `kitty_app`. An error a page does not handle reaches
+the browser as one line with the traceback in an expander (`kitty_app.failed`), and the app runs on."""
 
 import streamlit as st
+
+from kitty_app import failed
 
 PAGES = [
     ("pages/0_Overview.py", "Overview", ":material/view_timeline:"),
@@ -13,5 +16,9 @@ PAGES = [
     ("pages/6_Where_the_error_comes_from.py", "Where the error comes from", ":material/troubleshoot:"),
 ]
 
-st.navigation([st.Page(path, title=title, icon=icon, default=i == 0)
-               for i, (path, title, icon) in enumerate(PAGES)]).run()
+page = st.navigation([st.Page(path, title=title, icon=icon, default=i == 0)
+                     for i, (path, title, icon) in enumerate(PAGES)])
+try:
+    page.run()
+except Exception as err:  # noqa: BLE001  (Streamlit's stop and rerun are not Exceptions: they pass)
+    failed(err, f"{page.title} stopped on an error")

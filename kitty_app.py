@@ -1,15 +1,25 @@
-"""The lab's shared frame: the sidebar every page calls, the one loaded model, cached analyses.
+"""The lab's shared frame: the sidebar every page calls, the loaded models, cached analyses.
 
 Streamlit discovers `pages/` by itself; each page starts with `frame = sidebar()`, so every page
-gets the same sidebar whichever page a user opens first. One model serves all browser tabs
-(`st.cache_resource`); GPU work is serialized by one process-wide lock.
+gets the same sidebar whichever page a user opens first. The sidebar's choices live in the session
+(`st.session_state`), so moving to another page keeps them and does not reload the model.
+
+Models: the last `MODELS_KEPT` (model, device, dtype) choices stay loaded, shared by every browser
+tab (`st.cache_resource`); a further choice drops the least recently used. A tab that is running on
+a model that another tab's choice dropped keeps its own reference, so its run finishes on it (the
+memory is freed when it does), and its next run loads the model again. GPU work is serialized by one
+process-wide lock (`gpu_turn`): a run that waits for it says so.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
+import traceback
+from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +42,9 @@ class Frame:
     text: str  # the prompt source
 
 
+MODELS_KEPT = max(1, int(os.environ.get("KITTY_LAB_MODELS", "2")))  # models kept loaded at once (see above)
+
+
 @st.cache_resource
 def gpu_lock() -> threading.Lock:
     return threading.Lock()
@@ -40,56 +53,111 @@ def gpu_lock() -> threading.Lock:
 ALL_GPUS = "all GPUs"  # the device choice, where several are visible, of a model split by layers over them
 
 
-@st.cache_resource(max_entries=1, show_spinner=False)
-def _model(name: str, device: str, dtype: str) -> LoadedModel:
-    if device == ALL_GPUS:  # whole layers placed across the GPUs by accelerate (`kitty_core.sharding`)
-        return load_model(name, dtype=dtype, device_map="auto")
-    return load_model(name, device=device, dtype=dtype)
+@contextmanager
+def gpu_turn(what: str = "This run", tell_wait: bool = True):
+    """Hold the GPU lock for a run. If another tab's run holds it, say so while waiting (and, once
+    the turn comes, how long it waited: `tell_wait`, off inside a cached function, whose elements
+    Streamlit replays on every later hit), rather than show the old output greyed with no word."""
+    lock = gpu_lock()
+    if not lock.acquire(blocking=False):
+        t0 = time.monotonic()
+        note = st.empty()
+        note.info(f"{what} waits for another run on this server to finish (one run at a time) ...", icon="⏳")
+        while not lock.acquire(timeout=1.0):
+            # an element update each second: a Stop pressed meanwhile ends the wait here
+            note.info(f"{what} waits for another run on this server to finish (one run at a time): "
+                      f"{duration(time.monotonic() - t0)} so far ...", icon="⏳")
+        if tell_wait:
+            note.caption(f"{what} waited {duration(time.monotonic() - t0)} for another run to finish.")
+        else:
+            note.empty()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 @st.cache_resource
-def _current() -> dict:
-    return {}
+def _models() -> tuple[OrderedDict, threading.Lock]:
+    """The loaded models, least recently used first, and the lock that serializes loading."""
+    return OrderedDict(), threading.Lock()
 
 
 def get_model(name: str, device: str, dtype: str) -> LoadedModel:
-    """The loaded model; a switch frees the old one (GPU memory included) before loading the new."""
+    """The model of a (name, device, dtype) choice: one already loaded as it is, else loaded, dropping
+    the least recently used beyond `MODELS_KEPT` (GPU memory freed once no run holds it)."""
     key = (name, device, dtype)
-    current = _current()
-    if current.get("key") not in (None, key):
-        _model.clear()
-        current.clear()
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    lm = _model(name, device, dtype)
-    current["key"] = key
-    return lm
+    models, loading = _models()
+    with loading:  # two tabs asking for the same new model load it once
+        if key in models:
+            models.move_to_end(key)
+            return models[key]
+        while len(models) >= MODELS_KEPT:
+            models.popitem(last=False)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if device == ALL_GPUS:  # whole layers placed across the GPUs by accelerate (`kitty_core.sharding`)
+            models[key] = load_model(name, dtype=dtype, device_map="auto")
+        else:
+            models[key] = load_model(name, device=device, dtype=dtype)
+        return models[key]
+
+
+def loaded_models() -> list[tuple]:
+    """The (name, device, dtype) choices loaded now, least recently used first."""
+    return list(_models()[0])
+
+
+def _kept(key: str, default=None, on_change=None) -> dict:
+    """Keyword arguments for a sidebar widget whose value outlives the page: Streamlit forgets the
+    state of a widget that a run does not draw, and a page switch draws a new page's widgets, so
+    the value is also kept under a key of its own and handed back to the widget when a page draws
+    it again. The widget gets its value from the session alone (no default beside it)."""
+    ss = st.session_state
+    # a widget's new value is in the session before the run; set again here so that the widget a
+    # new page draws (a new widget to Streamlit) starts from it
+    value = ss[key] if key in ss else ss.get(f"kept:{key}", default)
+    ss[key] = ss[f"kept:{key}"] = value
+    return {"key": key, "on_change": on_change}
+
+
+def _new_preset() -> None:
+    """A new method starts at its own boost rate."""
+    for key in ("sb_boost", "kept:sb_boost"):
+        st.session_state.pop(key, None)
 
 
 def sidebar() -> Frame:
     st.set_page_config(page_title="Kitty Lab", layout="wide")
     sb = st.sidebar
     sb.title("Kitty Lab")
-    name = sb.text_input("Model", "demo", help="demo | hub id | local directory | file.gguf").strip()
+    name = sb.text_input("Model", help="demo | hub id | local directory | file.gguf", **_kept("sb_model", "demo"))
+    name = name.strip()
     cols = sb.columns(2)
     several = [ALL_GPUS] if torch.cuda.device_count() > 1 else []
     device = cols[0].selectbox("Device", ["auto", "cpu", "cuda", *several],
                                help=f"{ALL_GPUS}: a model too large for one GPU, its layers placed across them"
-                               if several else None)
-    dtype = cols[1].selectbox("Dtype", ["auto", "float32", "bfloat16", "float16"])
-    preset = sb.selectbox("Method", list(PRESETS), index=list(PRESETS).index("kitty-pro"))
+                               if several else None, **_kept("sb_device", "auto"))
+    dtype = cols[1].selectbox("Dtype", ["auto", "float32", "bfloat16", "float16"], **_kept("sb_dtype", "auto"))
+    preset = sb.selectbox("Method", list(PRESETS), **_kept("sb_method", "kitty-pro", on_change=_new_preset))
     config = PRESETS[preset]
-    boost = sb.slider("Boost rate (key channels at 4 bits)", 0.0, 1.0, float(config.boost_rate), 0.0625,
-                      disabled=not config.quantize or config.key_bits == 4)
+    boost = sb.slider("Boost rate (key channels at 4 bits)", 0.0, 1.0, step=0.0625,
+                      disabled=not config.quantize or config.key_bits == 4,
+                      **_kept("sb_boost", float(config.boost_rate)))
     method = preset if boost == config.boost_rate else f"{preset}+boost_rate={boost:g}"
-    source = sb.radio("Prompt source", ["Genesis (KJV, shipped)", "My text"], horizontal=True)
-    text = TEXT.read_text() if source.startswith("Genesis") else sb.text_area("Text", height=150)
+    source = sb.radio("Prompt source", ["Genesis (KJV, shipped)", "My text"], horizontal=True,
+                      **_kept("sb_source", "Genesis (KJV, shipped)"))
+    text = TEXT.read_text() if source.startswith("Genesis") else sb.text_area("Text", height=150,
+                                                                              **_kept("sb_text", ""))
     try:
         with st.spinner(f"Loading {name} (a GGUF converts once, tens of seconds) ..."):
             lm = get_model(name, device, dtype)
     except ModelLoadError as err:
         st.error(str(err))
+        st.stop()
+    except Exception as err:  # noqa: BLE001  (a load failure the library did not foresee: said, not raised)
+        failed(err, f"Loading {name} failed")
         st.stop()
     shape = lm.shape
     sb.caption(f"**{lm.name}** on {lm.device}, {str(lm.dtype).removeprefix('torch.')}: {shape['layers']} layers, "
@@ -102,6 +170,8 @@ def sidebar() -> Frame:
         sb.caption(f"GPU memory in use: {' + '.join(used)} GiB")
     elif not torch.cuda.is_available():
         sb.caption("No GPU here: the reference engine runs on the CPU.")
+    sb.caption(f"Models kept loaded: at most {MODELS_KEPT} (model, device, dtype) choices, shared by every tab; "
+               "a further one drops the least recently used, after any run on it ends.")
     return Frame(lm, (name, device, dtype), method, text)
 
 
@@ -112,7 +182,7 @@ def cached_capture(model_key: tuple, text: str, tokens: int):
 
     lm = get_model(*model_key)
     ids = lm.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :tokens]
-    with gpu_lock():
+    with gpu_turn("The capture", tell_wait=False):
         return capture(lm.model, ids)
 
 
@@ -129,7 +199,7 @@ def cached_sensitivity(model_key: tuple, text: str, tokens: int, layer: int):
     from kitty_core.probe import sensitivity
 
     cap = cached_capture(model_key, text, tokens)
-    with gpu_lock():
+    with gpu_turn("The sensitivity probe", tell_wait=False):
         return sensitivity(cap, layer)
 
 
@@ -174,3 +244,11 @@ def prompt_ids(frame: Frame, tokens: int) -> torch.Tensor:
         st.error(f"The prompt has {ids.shape[1]} tokens; this model's context is {limit}.")
         st.stop()
     return ids
+
+
+def failed(err: BaseException, what: str = "Something went wrong") -> None:
+    """An unexpected error as the browser shows it: one line, the traceback folded in an expander."""
+    st.error(f"{what}: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}. The lab runs on; the "
+             "details below help a bug report.")
+    with st.expander("Details"):
+        st.code("".join(traceback.format_exception(err)), language="text")

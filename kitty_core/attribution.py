@@ -331,13 +331,15 @@ def read_saved(folder: Path) -> dict:
     file and what is wrong if one is missing or unreadable."""
     import pandas as pd
 
-    from .results import ResultFileError
+    from .results import ResultFileError, check_version
 
     folder = Path(folder)
     try:
         settings = json.loads((folder / "settings.json").read_text())
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise ResultFileError(f"{folder.name}/settings.json cannot be read ({err})") from None
+    if isinstance(settings, dict):
+        check_version(settings, f"{folder.name}/settings.json")
     need = ("model", "context", "continuation", "methods", "layer", "q_head", "kv_head", "page", "kl_all")
     if not isinstance(settings, dict) or any(k not in settings for k in need):
         raise ResultFileError(f"{folder.name}/settings.json lacks some of {', '.join(need)}")
@@ -392,6 +394,7 @@ def _run(a) -> int:
     from .cli import writable, write_csv, write_text
     from .config import parse_method
     from .models import ModelLoadError, load_model
+    from .results import stamp
 
     try:
         methods = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -447,7 +450,7 @@ def _run(a) -> int:
         write_csv(a.out / f"{name}.csv", pd.concat(frames, ignore_index=True).round(6))
     if sens is not None:
         write_csv(a.out / "layer_sensitivity.csv", sens)
-    write_text(a.out / "settings.json", json.dumps(settings, indent=2))
+    write_text(a.out / "settings.json", json.dumps(stamp(settings), indent=2))
     _print(tables, settings, sens)
     return 0
 

@@ -139,7 +139,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from .cache import KittyLayer, ReferenceEngine  # noqa: E402
 from .config import parse_method  # noqa: E402
-from .results import ResultFileError, read_e2e  # noqa: E402
+from .results import ResultFileError, read_e2e, stamp  # noqa: E402
 
 
 def cuda_time(fn, warmup: int = 3, iters: int = 20) -> float:
@@ -656,7 +656,7 @@ def run_e2e(a) -> int:
 
     def save():  # after every row, so that an interrupted run keeps what it measured
         if a.out and rank == 0:
-            write_text(a.out, json.dumps(current(), indent=1, default=float))
+            write_text(a.out, json.dumps(stamp(current()), indent=1, default=float))
 
     with progress_bar("e2e sweep", "row") as progress:  # rows to come are not known: the bar counts them
         rows = sweep(lm.model, caches, a.prompt, a.generate, a.equal_batch, budget, a.points, a.start,
@@ -805,7 +805,7 @@ def main(argv=None) -> int:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
         if a.out.suffix == ".json":
             meta["launch"] = launch_defaults()
-            write_text(a.out, json.dumps({"settings": meta, "results": df.to_dict(orient="records")}, indent=2))
+            write_text(a.out, json.dumps(stamp({"settings": meta, "results": df.to_dict(orient="records")}), indent=2))
         else:
             write_csv(a.out, df.assign(**meta))
     return 0

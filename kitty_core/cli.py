@@ -67,6 +67,23 @@ def positive(text: str) -> float:
     return value
 
 
+def numbers(text: str, kind: type, what: str, example: str) -> list:
+    """A comma-separated list of numbers (`kind` int or float), or ValueError naming `what` and the item
+    that is not one, with an example of the form wanted. Empty items are skipped; an empty list is an
+    error."""
+    items = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not items:
+        raise ValueError(f"{what} is empty: give numbers separated by commas, e.g. {example}")
+    found = []
+    for x in items:
+        try:
+            found.append(kind(x))
+        except ValueError:
+            word = "a whole number" if kind is int else "a number"
+            raise ValueError(f"{what}: {x!r} is not {word}; give numbers separated by commas, e.g. {example}") from None
+    return found
+
+
 def writable(path: Path, folder: bool = False) -> Path:
     """Check that `path` (a file, or with `folder` a directory of files) can be written, creating its
     folder; ValueError naming the path and the cause, before any work is done for it."""

@@ -49,7 +49,7 @@ import torch  # noqa: E402
 from .cache import KittyCache, available_engines, make_engine  # noqa: E402
 from .config import parse_method  # noqa: E402
 from .models import ModelLoadError, load_model  # noqa: E402
-from .results import boost_share  # noqa: E402
+from .results import boost_share, stamp  # noqa: E402
 
 
 def text_windows(tokenizer, text: str, context: int, continuation: int, windows: int) -> torch.Tensor:
@@ -106,17 +106,29 @@ def evaluate(
     windows: int = 3,
     engine: str | None = None,
     progress=None,
+    rows: list | None = None,
 ) -> pd.DataFrame:
-    """One row per method: perplexity, kl, top1 (against `fp16`), bits per element, seconds."""
+    """One row per method: perplexity, kl, top1 (against `fp16`), bits per element, seconds.
+    `rows`: a list the rows are appended to as each method finishes, so that a caller keeps them
+    when the run is interrupted."""
     methods = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
+    if not methods:
+        raise ValueError("no methods given: name at least one, e.g. fp16,kitty-pro")
     configs = {m: parse_method(m) for m in methods}  # fail fast on a bad name
+    for name, value in (("context", context), ("continuation", continuation), ("windows", windows)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if limit and context + continuation > limit:
+        raise ValueError(f"context + continuation ({context} + {continuation} tokens) is beyond the model's context "
+                         f"of {limit}; shorten them")
     if text is None:
         text = DEFAULT_TEXT.read_text()
     ids = text_windows(tokenizer, text, context, continuation, windows)
     targets = ids[:, context:]
     head_dim = _head_dim(model)
     ref = continuation_logprobs(model, ids, context, "fp16", engine)
-    rows = []
+    rows = [] if rows is None else rows
     for i, m in enumerate(methods):
         if progress:
             progress(i, len(methods), m)
@@ -181,9 +193,13 @@ def _display_path(path: Path) -> str:
 
 def main(argv=None) -> int:
     a = arguments().parse_args(argv)
+    rows, lm = [], None  # the methods scored, kept if the run is interrupted
     try:
+        if not [m for m in a.methods.split(",") if m.strip()]:
+            raise ValueError("--methods is empty: name at least one method, e.g. fp16,kitty-pro")
         for m in a.methods.split(","):
-            parse_method(m.strip())
+            if m.strip():
+                parse_method(m.strip())
         if a.engine:
             make_engine(a.engine)  # a wrong engine name fails here, before the model loads
         if a.json:
@@ -192,19 +208,31 @@ def main(argv=None) -> int:
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
         with progress_bar("methods scored", "method") as progress:
             df = evaluate(lm.model, lm.tokenizer, a.methods, text, a.context, a.continuation, a.windows, a.engine,
-                          progress=progress)
+                          progress=progress, rows=rows)
     except (ValueError, ModelLoadError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # the methods scored so far, beside the target: an earlier complete file there stays as it was
+        if a.json and rows and lm is not None:
+            partial = a.json.with_name(f"{a.json.stem}.partial{a.json.suffix}")
+            write_text(partial, json.dumps(stamp({"settings": {**_settings(a, lm), "interrupted": True},
+                                                  "results": rows}), indent=2))
+            print(f"interrupted: the {len(rows)} methods scored are in {partial}", file=sys.stderr)
+        return 130
     cols = ["method", "perplexity", "kl", "top1", "bits_per_element"]
     print(df[cols].to_string(index=False, float_format=lambda x: f"{x:.4f}"))
     if a.json:
-        settings = {"model": a.model, "text": _display_path(a.text), "context": a.context, "continuation": a.continuation,
-                    "windows": a.windows, "device": str(lm.device), "dtype": str(lm.dtype),
-                    "engine": a.engine or ("triton" if lm.device.type == "cuda" and "triton" in available_engines()
-                                           else "reference")}
-        write_text(a.json, json.dumps({"settings": settings, "results": df.to_dict(orient="records")}, indent=2))
+        write_text(a.json, json.dumps(stamp({"settings": _settings(a, lm), "results": df.to_dict(orient="records")}),
+                                      indent=2))
     return 0
+
+
+def _settings(a, lm) -> dict:
+    return {"model": a.model, "text": _display_path(a.text), "context": a.context, "continuation": a.continuation,
+            "windows": a.windows, "device": str(lm.device), "dtype": str(lm.dtype),
+            "engine": a.engine or ("triton" if lm.device.type == "cuda" and "triton" in available_engines()
+                                   else "reference")}
 
 
 if __name__ == "__main__":

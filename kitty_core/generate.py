@@ -44,7 +44,7 @@ from .cache import KittyCache  # noqa: E402
 from .config import parse_method  # noqa: E402
 from .evaluate import continuation_logprobs  # noqa: E402
 from .memory import layout_segments  # noqa: E402
-from .results import ResultFileError  # noqa: E402
+from .results import ResultFileError, check_version, stamp  # noqa: E402
 
 
 class _TextCallback(BaseStreamer):
@@ -157,16 +157,19 @@ def save_generations(path: Path, texts: pd.DataFrame, kl: pd.DataFrame, settings
     from .cli import write_text
 
     rows = texts.astype({"first_divergence": object}).where(texts.notna(), None).to_dict(orient="records")
-    write_text(Path(path), json.dumps({"settings": settings, "texts": rows, "kl": kl.to_dict(orient="records")}))
+    write_text(Path(path), json.dumps(stamp({"settings": settings, "texts": rows, "kl": kl.to_dict(orient="records")})))
 
 
 def read_generations(path: Path) -> tuple[dict, pd.DataFrame, pd.DataFrame]:
     """(settings, texts, kl) of a saved comparison; ResultFileError naming what is missing."""
     try:
         found = json.loads(Path(path).read_text())
+        check_version(found, Path(path).name)
         texts, kl = pd.DataFrame(found["texts"]), pd.DataFrame(found["kl"], columns=["method", "step", "kl"])
         settings = dict(found["settings"])
         missing = [c for c in ("method", "text", "tokens", "first_divergence") if c not in texts]
+    except ResultFileError:
+        raise
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ResultFileError(f"{Path(path).name} is not a saved generation run "
                               f"({type(err).__name__}: {err})") from None
@@ -181,6 +184,8 @@ def main(argv=None) -> int:
     a = arguments().parse_args(argv)
     try:
         methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+        if not methods:
+            raise ValueError("--methods is empty: name at least one method to compare with fp16, e.g. kitty-pro")
         for m in methods:
             parse_method(m)
         if a.json:

@@ -73,7 +73,10 @@ def kitty_mask(*args, config=None, **kwargs):
 
     A 2D mask shorter than the cache's tokens and the new ones is what `generate` makes of a prompt no
     longer than what the cache already holds (a cache reused for another prompt): it would feed a
-    slice of the prompt, or none of it, as the continuation. Refused here, before attention runs."""
+    slice of the prompt, or none of it, as the continuation. Refused here, before attention runs, as
+    is an input of no tokens."""
+    if kwargs.get("q_length") == 0:  # else the model's own reshape of 0 tokens fails, in its words
+        raise ValueError("the input has no tokens (an empty prompt?): give at least one token")
     mask, kv = kwargs.get("attention_mask"), kwargs.get("kv_length", 0) + kwargs.get("kv_offset", 0)
     if mask is not None and mask.dim() == 2 and mask.shape[-1] < kv:
         raise ValueError(

@@ -153,6 +153,10 @@ def read_table(path: Path):
         found = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
         raise ValueError(f"{Path(path).name} cannot be read as JSON ({err})") from None
+    from .results import check_version
+
+    if isinstance(found, dict):
+        check_version(found, Path(path).name)
     rows = found.get("results") if isinstance(found, dict) else None
     if not isinstance(rows, list) or not rows or not isinstance(found.get("settings"), dict):
         raise ValueError(f"{Path(path).name} is not an lm-eval table: it needs settings and a list of results")
@@ -218,7 +222,9 @@ def main(argv=None) -> int:
                 "max_gen_toks": df.attrs.get("max_gen_toks", {}), "lm_eval": lm_eval.__version__,
                 "minutes": round((time.time() - started) / 60, 1)}
     records = json.loads(df.to_json(orient="records"))
-    write_text(a.out, json.dumps({"settings": settings, "results": records}, indent=1))
+    from .results import stamp
+
+    write_text(a.out, json.dumps(stamp({"settings": settings, "results": records}), indent=1))
     print(f"wrote {a.out}", file=sys.stderr)
     return 0
 

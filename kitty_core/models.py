@@ -301,6 +301,10 @@ def _converted_gguf(path: Path) -> Path:
             shutil.rmtree(work, ignore_errors=True)
     except Exception as err:
         shutil.rmtree(work, ignore_errors=True)
-        raise ModelLoadError(f"could not convert GGUF {str(path)!r} ({path.stat().st_size:,} bytes; is the file "
-                             f"complete?): {type(err).__name__}: {err}") from err
+        # gguf's reader maps each tensor onto the file's bytes: a file cut short fails in that reshape
+        cut = "cannot reshape array" in str(err)
+        why = ("its tensors run past the end of the file, so it is incomplete (a download cut short?): fetch it again"
+               if cut else "is the file complete?")
+        raise ModelLoadError(f"could not convert GGUF {str(path)!r} ({path.stat().st_size:,} bytes): {why} "
+                             f"({type(err).__name__}: {err})") from err
     return target

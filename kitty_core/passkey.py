@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .cli import count, parser, progress_bar, writable, write_csv
+from .cli import count, numbers, parser, progress_bar, writable, write_csv
 
 
 def arguments():
@@ -64,20 +64,32 @@ def passkey_prompt(tokenizer, length: int, depth: float, key: str) -> str:
 
 @torch.inference_mode()
 def run_passkey(model, tokenizer, methods, lengths, depths=(0.1, 0.5, 0.9), trials: int = 1, seed: int = 0,
-                engine: str | None = None, progress=None) -> pd.DataFrame:
-    """One row per (method, length, depth, trial): the key, the answer, and whether it was retrieved."""
+                engine: str | None = None, progress=None, rows: list | None = None) -> pd.DataFrame:
+    """One row per (method, length, depth, trial): the key, the answer, and whether it was retrieved.
+    `rows`: a list the rows are appended to as each batch finishes, so that a caller keeps them when
+    the run is interrupted."""
     methods = [m.strip() for m in (methods.split(",") if isinstance(methods, str) else methods) if m.strip()]
+    if not methods:
+        raise ValueError("no methods given: name at least one, e.g. fp16,kitty-pro")
     for m in methods:
         parse_method(m)
+    if not lengths or not depths:
+        raise ValueError("give at least one length and one depth")
+    if trials < 1:
+        raise ValueError(f"trials must be at least 1, got {trials}")
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     rng = random.Random(seed)
     device = next(model.parameters()).device
-    rows, jobs = [], len(methods) * len(lengths)
-    for li, length in enumerate(lengths):
+    # every prompt first: a length beyond the context, too short or a depth outside [0, 1] fails
+    # before the first generation, not after the lengths before it ran
+    batches = []
+    for length in lengths:
         if limit and length + 8 > limit:
             raise ValueError(f"length {length} exceeds the model's context of {limit} tokens")
         cases = [(d, t, f"{rng.randrange(10000, 100000)}") for d in depths for t in range(trials)]
-        prompts = [passkey_prompt(tokenizer, length, d, key) for d, _, key in cases]
+        batches.append((length, cases, [passkey_prompt(tokenizer, length, d, key) for d, _, key in cases]))
+    rows, jobs = [] if rows is None else rows, len(methods) * len(lengths)
+    for li, (length, cases, prompts) in enumerate(batches):
         enc = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
         for mi, m in enumerate(methods):
             if progress:
@@ -105,19 +117,30 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
 
 def main(argv=None) -> int:
     a = arguments().parse_args(argv)
+    rows = []  # the trials done, kept if the run is interrupted
     try:
-        lengths = [int(x) for x in a.lengths.split(",")]
-        depths = [float(x) for x in a.depths.split(",")]
+        lengths = numbers(a.lengths, int, "--lengths", "1024,2048")
+        depths = numbers(a.depths, float, "--depths", "0.1,0.5,0.9")
+        if any(not 0 <= d <= 1 for d in depths):
+            raise ValueError(f"--depths must lie in [0, 1] (0: the start of the filler, 1: its end), got {a.depths!r}")
         if not [m for m in a.methods.split(",") if m.strip()]:
             raise ValueError("--methods is empty: name at least one method, e.g. fp16,kitty-pro")
         if a.csv:
             writable(a.csv)
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
         with progress_bar("passkey batches", "batch") as progress:
-            df = run_passkey(lm.model, lm.tokenizer, a.methods, lengths, depths, a.trials, a.seed, progress=progress)
+            df = run_passkey(lm.model, lm.tokenizer, a.methods, lengths, depths, a.trials, a.seed, progress=progress,
+                             rows=rows)
     except (ValueError, ModelLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # the trials done, beside the target: an earlier complete file there stays as it was
+        if a.csv and rows:
+            partial = a.csv.with_name(f"{a.csv.stem}.partial{a.csv.suffix}")
+            write_csv(partial, pd.DataFrame(rows))
+            print(f"interrupted: the {len(rows)} trials done are in {partial}", file=sys.stderr)
+        return 130
     print(summary(df).to_string(float_format=lambda x: f"{x:.2f}"))
     if a.csv:
         write_csv(a.csv, df)

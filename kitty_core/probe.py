@@ -50,7 +50,7 @@ from transformers import AttentionInterface  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
-from .config import KittyConfig  # noqa: E402
+from .config import SELECTION_RULES, KittyConfig  # noqa: E402
 from .quant import _minmax_params, channel_scores  # noqa: E402
 
 TENSORS = ("key", "key_pre_rope", "value")
@@ -168,6 +168,22 @@ def int2_channel_error(keys: torch.Tensor, config: KittyConfig) -> torch.Tensor:
     return err
 
 
+def measurable_tokens(config: KittyConfig | None = None) -> int:
+    """The fewest tokens whose sensitivity can be measured: the sink and one page after it. Fewer
+    never leave FP16, so every channel's error is zero and any ranking of them is noise."""
+    config = config or KittyConfig()
+    return config.sink + config.group_size
+
+
+def check_measurable(tokens: int, config: KittyConfig | None = None) -> None:
+    config = config or KittyConfig()
+    if tokens < measurable_tokens(config):
+        raise ValueError(
+            f"{tokens} tokens are too short to measure: a channel is quantized only in pages of {config.group_size} "
+            f"tokens after the {config.sink}-token FP16 sink, so it takes at least {measurable_tokens(config)} tokens; "
+            "give a longer text")
+
+
 @torch.inference_mode()
 def sensitivity(cap: Capture, layer: int, config: KittyConfig | None = None,
                 rows_per_block: int | None = None) -> pd.DataFrame:
@@ -176,6 +192,7 @@ def sensitivity(cap: Capture, layer: int, config: KittyConfig | None = None,
     Rows: layer, kv_head, q_head, channel, mse (mean over the causal entries of the T x T matrix)."""
     config = config or KittyConfig()
     q, k = cap.queries[layer], cap.keys[layer]  # [Hq, T, D], [Hkv, T, D]
+    check_measurable(k.shape[1], config)
     if rows_per_block is None:  # small blocks stay in a CPU's cache; a GPU wants work per launch
         rows_per_block = 64 if q.is_cuda else 4
     hq, t, d = q.shape
@@ -283,8 +300,15 @@ def main(argv=None) -> int:
 
     a = arguments().parse_args(argv)
     try:
+        check_measurable(a.tokens)
+        unknown = sorted(set(a.rules.split(",")) - set(SELECTION_RULES))
+        if unknown:
+            raise ValueError(f"--rules: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(SELECTION_RULES)}")
         writable(a.out, folder=True)
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
+        context = lm.model.config.get_text_config().max_position_embeddings
+        if context and a.tokens > context:
+            raise ValueError(f"--tokens {a.tokens} is beyond the model's context of {context} tokens")
         n_layers = lm.model.config.get_text_config().num_hidden_layers
         layers = range(n_layers) if a.layers == "all" else [int(x) for x in a.layers.split(",")]
         if any(not 0 <= i < n_layers for i in layers):

@@ -7,6 +7,11 @@ wrong; the pages skip it with a warning.
     kernels_*.json    `bench kernels --out x.json`: {settings: {device}, results: [{batch, length, ...}]}
     accuracy / rules  `evaluate --json` (and the boost sweep): {settings, results: [{method, kl, ...}]}
     passkey_*.csv     `passkey --csv`: method, length, depth, correct
+
+A JSON result file carries `format_version` (`stamp` adds it as a command writes the file): a reader
+refuses a file of a later format, which this version would misread, by name and with what to do. A
+file without it was written before the field existed and reads as format 1. CSV tables carry no
+version (other tools read them as plain tables); their columns are checked.
 """
 
 from __future__ import annotations
@@ -31,6 +36,24 @@ ACCURACY_COLUMNS = ("method", "kl", "perplexity", "top1", "bits_per_element")
 PASSKEY_COLUMNS = ("method", "length", "depth", "correct")
 
 
+FORMAT_VERSION = 1  # of the JSON result files; raise it when a reader of the old layout would misread the new
+
+
+def stamp(found: dict) -> dict:
+    """A result object as a command writes it: with this version's `format_version` first."""
+    return {"format_version": FORMAT_VERSION, **{k: v for k, v in found.items() if k != "format_version"}}
+
+
+def check_version(found: dict, name: str) -> None:
+    """ResultFileError for a result object of a format this version does not read."""
+    version = found.get("format_version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ResultFileError(f"{name} has format_version {version!r}, not a version number (1, 2 ...)")
+    if version > FORMAT_VERSION:
+        raise ResultFileError(f"{name} is of result format {version}, newer than this version reads "
+                              f"({FORMAT_VERSION}): update kitty-lab, or run the command that wrote it again")
+
+
 def _json(path: Path) -> dict:
     try:
         found = json.loads(Path(path).read_text())
@@ -38,6 +61,7 @@ def _json(path: Path) -> dict:
         raise ResultFileError(f"{Path(path).name} cannot be read as JSON ({err})") from None
     if not isinstance(found, dict):
         raise ResultFileError(f"{Path(path).name} holds a {type(found).__name__}, not a result object")
+    check_version(found, Path(path).name)
     return found
 
 

@@ -5,7 +5,7 @@ import streamlit as st
 
 from kitty_app import cached_capture, cached_sensitivity, prompt_ids, sidebar
 from kitty_core.config import SELECTION_RULES
-from kitty_core.probe import agreement, rule_scores
+from kitty_core.probe import agreement, check_measurable, measurable_tokens, rule_scores
 
 frame = sidebar()
 st.title("Per-channel sensitivity")
@@ -14,10 +14,18 @@ st.caption("Each key channel alone is quantized to INT2 as the cache would (per 
 
 shape = frame.lm.shape
 cols = st.columns(3)
-tokens = cols[0].number_input("Prompt tokens", 64, int(shape["context"] or 8192), 512, 128)
+tokens = cols[0].number_input("Prompt tokens", measurable_tokens(), int(shape["context"] or 8192), 512, 128,
+                              help="the sink and at least one page after it")
 layer = int(cols[1].number_input("Layer", 0, shape["layers"] - 1, min(15, shape["layers"] - 1)))
 kv_head = int(cols[2].number_input("KV head", 0, shape["kv_heads"] - 1, 0))
-prompt_ids(frame, int(tokens))
+ids = prompt_ids(frame, int(tokens))
+try:
+    check_measurable(ids.shape[1])
+except ValueError as err:
+    st.error(f"The prompt source: {err}, or pick the shipped text.")
+    st.stop()
+if ids.shape[1] < tokens:
+    st.caption(f"The prompt source has {ids.shape[1]:,} tokens, fewer than the {int(tokens):,} asked: all of them are measured.")
 cap = cached_capture(frame.model_key, frame.text, int(tokens))
 sens = cached_sensitivity(frame.model_key, frame.text, int(tokens), layer)
 

@@ -5,7 +5,7 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from kitty_app import DATA, Progress, gpu_lock, sidebar
+from kitty_app import DATA, Progress, gpu_turn, sidebar
 from kitty_core.evaluate import boost_sweep, curve_rule, rule_curves
 from kitty_core.results import ResultFileError, read_accuracy
 
@@ -53,7 +53,7 @@ else:
         st.error("Pick at least one rule and one boost rate.")
         st.stop()
     try:
-        with st.status("Scoring every method against FP16 ...") as status, gpu_lock():
+        with st.status("Scoring every method against FP16 ...") as status, gpu_turn("The sweep"):
             df = boost_sweep(frame.lm.model, frame.lm.tokenizer, rates=sorted(rates), rules=rules, text=frame.text,
                              context=context, continuation=continuation, windows=windows,
                              progress=Progress("Methods scored"))

@@ -7,8 +7,9 @@ import pandas as pd
 import plotly.express as px
 import streamlit as st
 
-from kitty_app import DATA, TEXT, Progress, gpu_lock, sidebar
+from kitty_app import DATA, TEXT, Progress, gpu_turn, sidebar
 from kitty_core import PRESETS
+from kitty_core.cli import numbers
 from kitty_core.generate import compare_generations, long_context, read_generations
 from kitty_core.passkey import passkey_prompt, run_passkey
 from kitty_core.results import ResultFileError, read_passkey
@@ -132,16 +133,33 @@ if result is None and not run_it and SAVED.exists():
                 and new_tokens == saved_settings.get("new_tokens") and list(methods) == saved_settings.get("methods"))
         result = (texts, kl, f"saved run: {saved_settings['model']} on {saved_settings.get('device', '?')}, "
                              f"{saved_settings.get('dtype', '?')}") if same else None
-if result is None and not run_it:
+stopped = st.session_state.get("generation_partial")
+if result is None and not run_it and stopped and stopped["key"] == key:
+    # the last run of these settings was stopped (Stop, or the tab closed): what it streamed is kept
+    for m, text in stopped["texts"].items():
+        with slots[m].container():
+            st.caption(f"stopped after {stopped['tokens'].get(m, 0)} tokens")
+            st.markdown(html.escape(text))
+    st.warning("The last run was stopped before it finished: the text each method had generated is kept above "
+               "(no KL yet, it is scored after every method has generated). **Run on the loaded model** runs it "
+               "again from the start.")
+elif result is None and not run_it:
     st.info("Press **Run on the loaded model** to generate with these settings (on a CPU, a 2,000-token context "
             "takes minutes per method).")
 elif result is None or run_it:
+    partial = st.session_state["generation_partial"] = {"key": key, "texts": {}, "tokens": {}}
+
+    def stream(m: str, text: str) -> None:
+        """Show the text so far, and keep it in the session, so that a Stop leaves it on the page."""
+        partial["texts"][m] = text
+        partial["tokens"][m] = partial["tokens"].get(m, 0) + 1
+        slots[m].markdown(html.escape(text) + " ▌")
+
     try:
         bar = Progress("Tokens generated and scored")
-        with gpu_lock():
+        with gpu_turn("The generation"):
             texts, kl = compare_generations(frame.lm.model, tok, prompt, methods, new_tokens, chat=chat,
-                                            on_text=lambda m, text: slots[m].markdown(html.escape(text) + " ▌"),
-                                            progress=bar)
+                                            on_text=stream, progress=bar)
         bar.clear()
         result = (texts, kl, f"run here: {frame.lm.name} on {frame.lm.device}")
         done = finished()
@@ -150,6 +168,7 @@ elif result is None or run_it:
             done.pop(next(iter(done)))
     except ValueError as err:
         st.error(str(err))
+    st.session_state.pop("generation_partial", None)  # finished or refused: nothing partial to keep
 if result is not None:
     texts, kl, source = result
     if saved_settings and source.startswith("saved"):
@@ -181,12 +200,13 @@ def passkey_runs() -> dict:
 
 if run_pk:
     try:
-        parsed_l = tuple(int(x) for x in lengths.split(",") if x.strip())
-        parsed_d = tuple(float(x) for x in depths.split(",") if x.strip())
-        if not pk_methods or not parsed_l or not parsed_d:
-            raise ValueError("pick at least one method, length and depth")
+        if not pk_methods:
+            raise ValueError("pick at least one method")
+        parsed_l = tuple(numbers(lengths, int, "lengths", "512,1024"))
+        parsed_d = tuple(numbers(depths, float, "depths", "0.1,0.5,0.9"))
         st.session_state.passkey_args = (tuple(pk_methods), parsed_l, parsed_d, trials)
     except ValueError as err:
+        st.session_state.pop("passkey_args", None)  # this submission replaces the last: its error, its result
         st.error(f"Passkey settings: {err}")
 args = st.session_state.get("passkey_args")
 df, source = None, None
@@ -195,7 +215,7 @@ if args:
     try:
         if pk_key not in passkey_runs():
             bar = Progress("Methods x lengths asked")
-            with gpu_lock():
+            with gpu_turn("The passkey run"):
                 found = run_passkey(frame.lm.model, tok, list(args[0]), list(args[1]), list(args[2]), args[3],
                                     progress=bar)
             bar.clear()

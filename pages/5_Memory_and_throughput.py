@@ -5,7 +5,7 @@ import pandas as pd
 import plotly.express as px
 import streamlit as st
 
-from kitty_app import DATA, Progress, gpu_lock, sidebar
+from kitty_app import DATA, Progress, gpu_turn, sidebar
 from kitty_core import PRESETS
 from kitty_core.bench import e2e_table, real_table
 from kitty_core.results import ResultFileError, read_e2e, read_kernels
@@ -232,7 +232,7 @@ if go:
     bar = Progress("Sweep stages done")
     status = st.status("Sweeping ...", expanded=True)
     live = st.empty()
-    with gpu_lock():
+    with gpu_turn("The sweep"):
         try:
             # on a GPU, this library's caches decode from CUDA graphs, as `bench e2e` does by default
             for what, row in sweep(frame.lm.model, caches, prompt, generate, equal,

@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from kitty_app import DATA, TEXT, gpu_lock, sidebar
+from kitty_app import DATA, TEXT, gpu_turn, sidebar
 from kitty_core import parse_method
 from kitty_core.attribution import MODES, analyse, attention_map, page_error, read_saved
 from kitty_core.results import ResultFileError
@@ -66,7 +66,7 @@ else:
     run_key = (frame.model_key, frame.text, method, context, continuation, tuple(modes))
     if go_live and run_key not in finished():
         try:
-            with st.status(f"Scoring {method} layer by layer against FP16 ...") as status, gpu_lock():
+            with st.status(f"Scoring {method} layer by layer against FP16 ...") as status, gpu_turn("The scoring"):
                 bar, t0 = st.progress(0.0), time.perf_counter()
 
                 def progress(done: int, total: int, label: str) -> None:
@@ -142,7 +142,7 @@ def capture_for(model_key: tuple, text: str, context: int, continuation: int):
     from kitty_core.probe import capture
 
     lm = get_model(*model_key)
-    with gpu_lock():
+    with gpu_turn("The probe", tell_wait=False):
         return capture(lm.model, token_ids(lm.tokenizer, text, context, continuation))
 
 

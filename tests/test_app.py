@@ -14,7 +14,7 @@ PAGES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "pages").glob("*.py"))
 
 
 def run(page: str) -> AppTest:
-    at = AppTest.from_file(str(ROOT / page), default_timeout=300)
+    at = AppTest.from_file(str(ROOT / page), default_timeout=1800)
     at.run()
     assert not at.exception, at.exception
     return at

@@ -13,7 +13,7 @@ PAGE = str(ROOT / "pages" / "6_Where_the_error_comes_from.py")
 
 
 def run() -> AppTest:
-    at = AppTest.from_file(PAGE, default_timeout=300)
+    at = AppTest.from_file(PAGE, default_timeout=1800)
     at.run()
     assert not at.exception, at.exception
     return at

@@ -157,3 +157,158 @@ def test_model_loading_failures_say_what_and_why(tmp_path, demo):
     demo.tokenizer.save_pretrained(d)
     (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "num_attention_heads": 0}))
     fails(str(d), "could not load .* from the local directory: ZeroDivisionError")
+
+
+def test_library_counts_and_lengths_are_checked_before_any_work(demo):
+    """evaluate and run_passkey called directly (not through their command lines): each bad count or
+    length is refused by name before the first forward pass."""
+    from kitty_core.evaluate import evaluate
+    from kitty_core.passkey import run_passkey
+
+    m, tok = demo.model, demo.tokenizer
+    for kw, says in ((dict(context=-5), "context must be a whole number of at least 1, got -5"),
+                     (dict(continuation=0), "continuation must be a whole number of at least 1, got 0"),
+                     (dict(windows=-3), "windows must be a whole number of at least 1, got -3"),
+                     (dict(methods=" , "), "no methods given"),
+                     (dict(context=8190, continuation=4), r"\(8190 \+ 4 tokens\) is beyond the model's context of 8192")):
+        with pytest.raises(ValueError, match=says):
+            evaluate(m, tok, **{"methods": "fp16", "text": "x", **kw})
+    for args, says in (((["kitty-pro"], [512, 100_000]), "length 100000 exceeds the model's context of 8192"),
+                       (([], [512]), "no methods given"),
+                       ((["fp16"], [512], [2.0]), r"depth must be in \[0, 1\], got 2.0"),
+                       ((["fp16"], [10]), "is too short for a passkey prompt")):
+        with pytest.raises(ValueError, match=says):
+            run_passkey(m, tok, *args)
+    with pytest.raises(ValueError, match="trials must be at least 1, got 0"):
+        run_passkey(m, tok, ["fp16"], [512], trials=0)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--lengths", "512,abc"], "--lengths: 'abc' is not a whole number; give numbers separated by commas, e.g. 1024,2048"),
+    (["--lengths", " , "], "--lengths is empty"),
+    (["--depths", "0.5,2"], r"--depths must lie in [0, 1]"),
+])
+def test_passkey_lists_are_checked_before_the_model_loads(argv, says, capsys):
+    assert passkey.main(argv) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_probe_and_generate_arguments_before_the_model_loads(tmp_path, capsys):
+    from kitty_core import generate
+
+    assert probe.main(["--tokens", "100", "--out", str(tmp_path / "p")]) == 2
+    assert "100 tokens are too short to measure" in capsys.readouterr().err and not (tmp_path / "p").exists()
+    assert probe.main(["--rules", "magnitude,loudest", "--out", str(tmp_path / "p")]) == 2
+    assert "--rules: unknown 'loudest'; choose from magnitude, random, range, qk" in capsys.readouterr().err
+    assert generate.main(["--methods", " ,"]) == 2
+    assert "--methods is empty" in capsys.readouterr().err
+    assert evaluate.main(["--methods", ""]) == 2
+    assert "--methods is empty" in capsys.readouterr().err
+    assert probe.main(["--tokens", "9000", "--out", str(tmp_path / "p")]) == 2  # loads the demo model, no capture
+    assert "--tokens 9000 is beyond the model's context of 8192 tokens" in capsys.readouterr().err
+
+
+def test_sensitivity_refuses_a_capture_too_short_to_measure(demo):
+    """Fewer tokens than the sink and one page never leave FP16: every channel's error is zero, so a
+    ranking of channels would be noise."""
+    from kitty_core.probe import capture, sensitivity
+
+    cap = capture(demo.model, demo.tokenizer("In the beginning God created", return_tensors="pt").input_ids)
+    with pytest.raises(ValueError, match="tokens are too short to measure: .* at least 160 tokens; give a longer text"):
+        sensitivity(cap, 0)
+
+
+def test_result_files_carry_a_format_version(tmp_path):
+    import pandas as pd
+
+    from kitty_core import results
+    from kitty_core.generate import read_generations, save_generations
+
+    texts = pd.DataFrame([{"method": "fp16", "text": "a", "tokens": [1], "first_divergence": None}])
+    path = tmp_path / "generations.json"
+    save_generations(path, texts, pd.DataFrame(columns=["method", "step", "kl"]), {"model": "demo"})
+    assert json.loads(path.read_text())["format_version"] == results.FORMAT_VERSION
+    assert len(read_generations(path)[1]) == 1
+    newer = tmp_path / "e2e_newer.json"
+    newer.write_text(json.dumps({"format_version": results.FORMAT_VERSION + 1, "settings": {}, "points": []}))
+    with pytest.raises(results.ResultFileError, match=f"e2e_newer.json is of result format {results.FORMAT_VERSION + 1}, "
+                                                      "newer than this version reads .*update kitty-lab"):
+        results.read_e2e(newer)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "format_version": "1.0"}))
+    with pytest.raises(results.ResultFileError, match=r"generations.json has format_version '1.0', not a version number"):
+        read_generations(path)
+    assert results.stamp({"format_version": 0, "settings": {}}) == {"format_version": results.FORMAT_VERSION, "settings": {}}
+
+
+def test_the_pack_kernel_writes_channel_numbers_past_255():
+    """Head size 512 through the Triton pack kernel (its interpreter on a CPU): the same two-byte boost
+    index as the reference quantizer, channel 511 included."""
+    import os
+
+    if not (torch_cuda() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("the pack kernel needs a GPU or Triton's interpreter")
+    import torch
+
+    from kernels.pack import quantize_keys
+    from kitty_core import quant
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, 4, 512, device="cuda" if torch_cuda() else "cpu")
+    x[..., -64:] *= 10
+    got, want = quantize_keys(x, 128, "magnitude"), quant.quantize_keys(x, 128, "magnitude")
+    assert got.boost_ch.dtype == torch.int16 and int(got.boost_ch.max()) == 511
+    for field in ("dense", "high", "boost_ch", "scale", "zero"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def test_a_truncated_gguf_is_named_as_incomplete(tmp_path, monkeypatch):
+    from kitty_core.models import ModelLoadError, demo_gguf_path, load_model
+
+    cut = tmp_path / "cut.gguf"
+    with open(demo_gguf_path(), "rb") as whole:
+        cut.write_bytes(whole.read(30_000_000))  # the header and some tensors: a download stopped part way
+    monkeypatch.setenv("KITTY_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match=r"could not convert GGUF .*cut.gguf' \(30,000,000 bytes\): its tensors run "
+                                             r"past the end of the file, so it is incomplete .*fetch it again"):
+        load_model(str(cut), device="cpu")
+    assert not any((tmp_path / "cache" / "gguf").iterdir())  # no half-converted model left to be picked up
+
+
+def test_an_interrupted_evaluation_keeps_what_it_scored_beside_the_earlier_file(tmp_path, monkeypatch, capsys):
+    from kitty_core import evaluate as ev
+
+    target = tmp_path / "accuracy_demo.json"
+    target.write_text('{"run": 1}')
+    scored = ev.continuation_logprobs
+
+    def interrupted(model, ids, context, method, engine=None, progress=None):
+        if method != "fp16":
+            raise KeyboardInterrupt  # Ctrl-C while the second method is scored
+        return scored(model, ids, context, method, engine, progress)
+
+    monkeypatch.setattr(ev, "continuation_logprobs", interrupted)
+    argv = ["--methods", "fp16,kitty-pro", "--context", "8", "--continuation", "2", "--windows", "1", "--json", str(target)]
+    assert ev.main(argv) == 130
+    assert target.read_text() == '{"run": 1}'  # the earlier file as it was
+    partial = json.loads((tmp_path / "accuracy_demo.partial.json").read_text())
+    assert partial["settings"]["interrupted"] and [r["method"] for r in partial["results"]] == ["fp16"]
+    assert "the 1 methods scored are in" in capsys.readouterr().err
+
+
+def test_an_empty_prompt_through_a_kitty_cache_says_so():
+    """model.generate on no tokens with a KittyCache: refused by name, not the model's reshape error."""
+    import torch
+
+    from conftest import tiny_model
+    from kitty_core import KittyCache
+
+    model = tiny_model("llama", layers=1)
+    with pytest.raises(ValueError, match=r"the input has no tokens \(an empty prompt\?\): give at least one token"):
+        model.generate(torch.zeros((1, 0), dtype=torch.long), max_new_tokens=2, do_sample=False,
+                       past_key_values=KittyCache(model, "kitty-pro"))

@@ -41,6 +41,8 @@ def _no_exception(page, name: str) -> None:
     SHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
     assert page.locator('[data-testid="stException"]').count() == 0, f"{name}: an exception is on screen"
+    # the entry point shows an error no page handled as a message (`kitty_app.failed`), not as an exception
+    assert page.get_by_text("stopped on an error").count() == 0, f"{name}: an unhandled error is on screen"
 
 
 def _set_number(page, label: str, value) -> None:
