@@ -1108,8 +1108,15 @@ class KittyCache(Cache):
         (the compiled step records its CUDA graphs again) when that is used up. `device_steps=False`
         keeps every step on the host's record (eager only, as the reference engine runs).
         `fp16_layers`: indices of layers kept wholly in FP16 while the others use `method`, to see
-        which layers a method's error comes from; such a cache steps from the host's record."""
+        which layers a method's error comes from; such a cache steps from the host's record.
+
+        A `max_length` beyond the model's context is refused. Without one, the cache cannot know how
+        far a generation goes: past the context it goes on as transformers does (which warns)."""
         check_supported(model)
+        context = model_shape(model.config)["context"]
+        if max_length is not None and context and max_length > context:
+            raise ValueError(f"max_length={max_length} is beyond the model's context of {context} tokens: keep the "
+                             f"prompt and the new tokens within {context}")
         self.config = parse_method(method)
         fp16_layers = set(fp16_layers)
         self.device_steps = device_steps and not fp16_layers

@@ -312,3 +312,12 @@ def test_an_empty_prompt_through_a_kitty_cache_says_so():
     with pytest.raises(ValueError, match=r"the input has no tokens \(an empty prompt\?\): give at least one token"):
         model.generate(torch.zeros((1, 0), dtype=torch.long), max_new_tokens=2, do_sample=False,
                        past_key_values=KittyCache(model, "kitty-pro"))
+
+
+def test_a_cache_reserved_beyond_the_models_context_is_refused(demo):
+    from kitty_core import KittyCache
+
+    with pytest.raises(ValueError, match=r"max_length=8300 is beyond the model's context of 8192 tokens: keep the "
+                                         r"prompt and the new tokens within 8192"):
+        KittyCache(demo.model, "kitty-pro", max_length=8300)
+    assert KittyCache(demo.model, "kitty-pro", max_length=8192).config.boost_rate == 0.25
