@@ -620,6 +620,11 @@ def run_e2e(a) -> int:
     if setup is None:
         return 2
     caches, checks_asked, lm = setup
+    context = lm.shape.get("context")
+    if context and a.prompt + a.generate > context:
+        print(f"error: --prompt {a.prompt} + --generate {a.generate} is beyond {lm.name}'s context of {context} "
+              f"tokens: give --generate {max(1, context - a.prompt)} or less", file=sys.stderr)
+        return 2
     budget = int(a.budget_gib * 2**30) if a.budget_gib else None
     probes, points, skipped, checks = [], [], [], []
     settings = {"model": lm.name, "shape": lm.shape, "device": str(lm.device),

@@ -321,3 +321,11 @@ def test_a_cache_reserved_beyond_the_models_context_is_refused(demo):
                                          r"prompt and the new tokens within 8192"):
         KittyCache(demo.model, "kitty-pro", max_length=8300)
     assert KittyCache(demo.model, "kitty-pro", max_length=8192).config.boost_rate == 0.25
+
+
+def test_e2e_beyond_the_models_context_is_refused_before_the_sweep(capsys):
+    from kitty_core.bench import main
+
+    assert main(["e2e", "--model", "demo", "--device", "cpu", "--caches", "kitty-pro"]) == 2  # 512 + 8192
+    assert "--prompt 512 + --generate 8192 is beyond demo's context of 8192 tokens: give --generate 7680 or less" \
+        in capsys.readouterr().err
