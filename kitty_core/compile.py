@@ -1,10 +1,10 @@
 """Compile the decode kernels for a CUDA GPU on any machine, GPU or not, and read what ptxas made
 of them: registers, spills, shared memory and the SASS instruction mix of each kernel.
 
-    python -m kitty_core.compile                          # Qwen3-8B attention, kitty-pro, sm_90
+    python -m kitty_core.compile                           # Qwen3-8B attention, kitty-pro, sm_90
     python -m kitty_core.compile --unpack bits,ptx --method kitty+boost_rate=0
     python -m kitty_core.compile --key-dots fp16,int8 --unpack ptx --stages 3 --max-registers 168 \
-        --pages-per-program 32                         # a deep grid's settings (batch 489)
+        --pages-per-program 32                             # a deep grid's settings (batch 489)
     python -m kitty_core.compile --warps 4 --max-registers 0
     python -m kitty_core.compile --new-token --unpack ptx  # the tail as graph-replayed steps launch it
     kitty-compile ...                                      # the same, installed
@@ -118,7 +118,6 @@ def layer_for(method: str, batch: int = 2, length: int = 2048, kv_heads: int = 8
     from .config import parse_method
 
     dtype = dtype or torch.bfloat16
-
     layer = KittyLayer(parse_method(method), ReferenceEngine())
     empty = torch.zeros(batch, kv_heads, 0, head_dim, dtype=dtype)
     layer.lazy_initialization(empty, empty)
@@ -138,6 +137,7 @@ def report(method: str = "kitty-pro", unpacks=("ptx",), q_heads: int = 32, kv_he
 
     from kernels.decode import decode_launches, key_dots_of
 
+    dtype = dtype or torch.bfloat16
     layer = layer_for(method, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
     batch = layer.k_sink.buf.shape[0]
     q = torch.randn(batch, q_heads, 1, head_dim, dtype=dtype)
