@@ -481,8 +481,8 @@ def test_a_softcapped_model_generates_on_the_triton_engine_as_on_the_reference(l
     model = _gemma2(1.0, layer_types, head_dim=64, device="cuda", dtype=torch.float16)
     uncapped = _gemma2(None, layer_types, head_dim=64, device="cuda", dtype=torch.float16)
     ids = torch.randint(3, 256, (2, 300), generator=torch.Generator().manual_seed(1)).cuda()
-    gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False, pad_token_id=0,
-               output_scores=True, return_dict_in_generate=True)
+    gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=48, min_new_tokens=48, do_sample=False,
+               pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     spec = "kitty-pro+sink=4+group_size=64+local_window=64"
     with torch.inference_mode():
         outs = {e: model.generate(input_ids=ids, past_key_values=KittyCache(model, spec, engine=e), **gen)
