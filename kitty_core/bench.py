@@ -49,7 +49,8 @@ def arguments():
                    "(default: the library's for the head size)")
     k.add_argument("--out", type=Path, default=None, help="CSV or JSON file")
     k.add_argument("--sweep", action="store_true", help="instead: time launch settings of the fused kernel")
-    k.add_argument("--ablate", action="store_true", help="instead: time diagnostic variants of the fused kernel")
+    k.add_argument("--unpack-modes", action="store_true", help="instead: time the fused kernel with each way of "
+                   "unpacking codes")
     k.add_argument("--pack", action="store_true", help="instead: packing time against decode time")
     k.add_argument("--fp16", action="store_true", help="instead: FP16 attention on each SDPA backend")
     k.add_argument("--cuda", action="store_true", help="instead: the CUDA page kernel beside the Triton fused "
@@ -214,7 +215,8 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
     process as CUDA-graph replays (GPU time; `*_eager_ms`: plain calls, host launch cost included);
     bytes the fused kernel must read; the fused output's largest difference from
     `decode_attention_reference`."""
-    from kernels.decode import decode_attention, decode_attention_reference, decode_attention_unfused, key_dots_of
+    from kernels.decode import decode_attention, decode_attention_reference, key_dots_of
+    from kernels.decode_unfused import decode_attention_unfused
 
     bw_copy = copy_bandwidth()
     rows = []
@@ -414,11 +416,10 @@ def pack_cost(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=tor
             "pack_share": triton_ms / (g * fused_ms + triton_ms), "pack_share_torch": torch_ms / (g * fused_ms + torch_ms)}
 
 
-def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16, **launch) -> pd.DataFrame:
-    """Where the fused kernel's GPU time goes, one shape: the full kernel with codes unpacked four at
-    a time in PTX and element by element; then diagnostic variants of the page loop, whose outputs
-    are wrong: keys only, plain loads of the same packed planes, and the value dots on a constant
-    operand (which spares the probabilities' move between the warps)."""
+def unpack_modes(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                 **launch) -> pd.DataFrame:
+    """The fused kernel's GPU time by how codes become operands, one shape: four at a time in PTX,
+    element by element, and (in the tail) by int -> fp16 conversions (`decode_attention(unpack=...)`)."""
     from kernels.decode import decode_attention
 
     batch, length = shape
@@ -427,9 +428,7 @@ def ablate(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.
     state, rows = layer.kernel_state(), []
     read = sum(layer.nbytes().values())
     variants = [("full kernel, PTX unpack", {}), ("full kernel, per-element unpack", {"unpack": "bits"}),
-                ("full kernel, int->fp16 conversions in the tail (pages: per element)", {"unpack": "convert"}),
-                ("keys only", {"ablate": 1}), ("packed planes, plain loads", {"ablate": 2}),
-                ("value dots on a constant, not the probabilities", {"ablate": 3})]
+                ("full kernel, int->fp16 conversions in the tail (pages: per element)", {"unpack": "convert"})]
     for what, kw in variants:
         ws = {}
         ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state, **kw, **launch)))
@@ -782,9 +781,9 @@ def main(argv=None) -> int:
         print("error: the kernel benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
-    if a.ablate:
+    if a.unpack_modes:
         for shape in _each(shapes):
-            print(ablate(shape).to_string(index=False), flush=True)
+            print(unpack_modes(shape).to_string(index=False), flush=True)
         return 0
     if a.pack:
         print(pd.DataFrame([pack_cost(shape) for shape in _each(shapes)]).to_string(index=False), flush=True)

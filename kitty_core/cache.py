@@ -16,8 +16,9 @@ boundaries. The padded layout that transformers' masks expect is kept by right-a
 sequence's history when an engine needs it dense.
 
 The state lives in tensors shared by all sequences ([B, H, cap, D] FP16 regions, page pools) plus
-per-sequence integer counters; an engine (`ReferenceEngine` here, the Triton engine in `kernels/`)
-reads it to attend. The transformers glue (attention function, mask) is in `hf.py`.
+per-sequence integer counters; an engine (`ReferenceEngine` here, the Triton engine of
+`triton_engine.py` over the kernels in `kernels/`) reads it to attend. The transformers glue
+(attention function, mask) is in `hf.py`.
 """
 
 from __future__ import annotations
@@ -339,7 +340,7 @@ def make_engine(name: str):
     "triton+key_dots=int8"."""
     base, *opts = name.split("+")
     if base == "triton":
-        from kernels.engine import TritonEngine  # optional: needs a GPU build of Triton
+        from .triton_engine import TritonEngine  # optional: needs a GPU build of Triton
 
         kwargs = {}
         for opt in opts:
@@ -383,7 +384,7 @@ class KittyLayer(CacheLayerMixin):
         self.seen = 0  # tokens seen per sequence in the padded layout (pads included)
         self.steps = None  # StepCounters while decode steps run from device counters (graphs.py)
         self.owner = weakref.ref(owner) if owner is not None else lambda: None
-        self.softcap = None  # the model's attention logit softcap (Gemma 2): the reference path applies it
+        self.softcap = None  # the logit softcap the model's attention applies (Gemma 2 on eager), for the kernels
         self.boost = None  # key channels its pages boost, where an allocation sets them (else the config's rate)
         self.last = owner is None  # the model's last attention layer: it ends a device-driven step
         self.generator = torch.Generator().manual_seed(config.seed * 100_003 + layer_idx)
@@ -1157,7 +1158,7 @@ class KittyCache(Cache):
     def is_compileable(self) -> bool:
         """Can `generate` compile the decode step? On an engine that steps from device counters."""
         return (self.device_steps and self.config.quantize and getattr(self.engine, "device_steps", False)
-                and not self.softcap and not any(layer.is_sliding for layer in self.layers))
+                and not any(layer.is_sliding for layer in self.layers))
 
     def memory_report(self) -> pd.DataFrame:
         """Stored bytes by part, summed over layers, with bytes per real token and what each part is
@@ -1197,9 +1198,6 @@ class KittyCache(Cache):
             return "it is empty: prefill it first"
         if not self.config.quantize or not getattr(self.engine, "device_steps", False):
             return f"the {self.engine.name!r} engine attends from host state; the Triton engine (CUDA) can"
-        if self.softcap:
-            return (f"this model softcaps its attention logits (at {self.softcap}), which the Triton kernels do not: "
-                    "its steps attend through the reference path")
         if any(layer.is_sliding for layer in self.layers):
             return ("this model has sliding-window layers, which the Triton kernels do not take (they attend to every "
                     "token a layer holds): its steps attend through the reference path")
@@ -1315,7 +1313,7 @@ def available_engines() -> list[str]:
     engines = ["reference"]
     if torch.cuda.is_available():
         try:
-            import kernels.engine  # noqa: F401
+            from . import triton_engine  # noqa: F401
 
             engines.append("triton")
         except ImportError:

@@ -89,8 +89,12 @@ def kitty_mask(*args, config=None, **kwargs):
 
 
 def softcapping(config) -> float | None:
-    """The attention logits' softcap of a model (Gemma 2), which the Triton kernels do not apply."""
-    return getattr(text_config(config), "attn_logit_softcapping", None)
+    """The attention logit softcap that a model's attention applies: its `attn_logit_softcapping`
+    (Gemma 2) where it ran its own eager attention before `kitty` (read after `enable_kitty_attention`),
+    None on SDPA, which has no softcap, so that a Kitty layer's kernels compute what `base_attention`
+    computes."""
+    cap = getattr(text_config(config), "attn_logit_softcapping", None)
+    return cap if cap and _base(config) == "eager" else None
 
 
 _registered = False

@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = (
-    "import json; from kernels.compile import report; "
+    "import json; from kitty_core.compile import report; "
     "print(json.dumps(report('kitty-pro', ('ptx', 'bits')).to_dict(orient='records') "
     "+ report('kitty-pro', ('ptx',), q_heads=64).iloc[1:].assign(kernel='pages, groups of 8')"
     ".to_dict(orient='records')))"
@@ -36,7 +36,7 @@ def test_page_kernel_compiles_for_sm90_without_spills_in_its_loop():
 
 
 KEY_DOTS_SCRIPT = (
-    "import json; from kernels.compile import report; "
+    "import json; from kitty_core.compile import report; "
     "print(json.dumps(report('kitty-pro', ('ptx',), key_dots=('fp16', 'int8'), num_stages=3, max_registers=168, "
     "pages_per_program=32).iloc[1:].to_dict(orient='records')))"
 )
@@ -58,7 +58,7 @@ def test_int8_key_dots_compile_to_int8_tensor_cores_without_spills_at_a_deep_gri
 
 
 NEW_TOKEN_SCRIPT = (
-    "import json; from kernels.compile import report; "
+    "import json; from kitty_core.compile import report; "
     "print(json.dumps([report('kitty-pro', ('ptx',), new_token=new).iloc[0].to_dict() for new in (False, True)]))"
 )
 

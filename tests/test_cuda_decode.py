@@ -141,8 +141,8 @@ def test_engine_falls_back_to_triton_with_one_log_line(caplog):
         make_engine("triton+pages=tilelang")
     layer = SimpleNamespace(head_dim=64, heads=2, n_boost=16, config=SimpleNamespace(group_size=G, value_bits=2))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    with caplog.at_level("WARNING", logger="kernels.engine"):
+    with caplog.at_level("WARNING", logger="kitty_core.triton_engine"):
         assert not engine._cuda_pages(layer, 8, torch.bfloat16, device)
         assert not engine._cuda_pages(layer, 8, torch.bfloat16, device)
-    lines = [r.getMessage() for r in caplog.records if r.name == "kernels.engine"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "kitty_core.triton_engine"]
     assert len(lines) == 1 and "Triton" in lines[0]

@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode import _key8_plane, _page_scores_i8
+from kernels.decode_fused import _page_scores_i8
+from kernels.ptx import _key8_plane
 from kitty_core.cache import KittyLayer, ReferenceEngine
 from kitty_core.config import parse_method
 
@@ -41,7 +42,8 @@ SMALL = f"+sink={SINK}+group_size={GROUP}+local_window={GROUP}"
 
 @pytest.mark.parametrize("spec", ["kivi-k2v2-sink", "kitty", "kitty-pro", "k4v2-sink", "k2v4-sink", "kivi-k2v2"])
 def test_fused_decode_matches_reference(spec):
-    from kernels.decode import decode_attention, decode_attention_reference, decode_attention_unfused
+    from kernels.decode import decode_attention, decode_attention_reference
+    from kernels.decode_unfused import decode_attention_unfused
 
     layer = _layer(spec + SMALL, LENS)
     assert layer.k_buffer.lens[3] == GROUP  # one sequence's q-buffer is full, not yet packed
@@ -51,6 +53,26 @@ def test_fused_decode_matches_reference(spec):
                 decode_attention(layer, q, 0.25, unpack="convert"), decode_attention_unfused(layer, q, 0.25)):
         assert out.shape == (len(LENS), 4, 1, DIM)
         torch.testing.assert_close(out, ref, atol=5e-3, rtol=1e-2)  # fp16 operands in the dots
+
+
+@pytest.mark.parametrize("key_dots", ["fp16", "int8"])
+def test_fused_decode_with_a_softcap_matches_reference(key_dots):
+    """Gemma 2's logit softcapping (softcap x tanh(scores / softcap)) in the tail kernel (sink, packed
+    keys of the value window, the FP16 q-buffer) and the page kernel (base-2 scores), against the
+    PyTorch reference. The queries are scaled so that the cap bends the scores (up to ~8, capped at
+    2): without it the outputs are whole units off the capped reference."""
+    from kernels.decode import decode_attention, decode_attention_reference
+
+    layer = _layer("kitty-pro" + SMALL, LENS, seed=5)
+    q = torch.randn(len(LENS), 4, 1, DIM, device=DEVICE) * 2
+    ref = decode_attention_reference(layer, q, 0.25, softcap=2.0)
+    assert (decode_attention_reference(layer, q, 0.25) - ref).abs().max() > 0.3  # the cap matters here
+    tol = dict(atol=5e-3, rtol=1e-2) if key_dots == "fp16" else dict(atol=5e-2, rtol=5e-2)  # see the int8 test
+    for ppp in (1, 2):
+        out = decode_attention(layer, q, 0.25, pages_per_program=ppp, key_dots=key_dots, softcap=2.0)
+        torch.testing.assert_close(out, ref, **tol)
+    with pytest.raises(ValueError, match="softcap"):
+        decode_attention(layer, q, 0.25, softcap=-1.0)
 
 
 @pytest.mark.parametrize("rep", [1, 3, 4, 8])
@@ -163,7 +185,7 @@ def _int8_scores(QT, QB, RAW, HRAW, KS, KZ, OUT, D: tl.constexpr, R: tl.constexp
 def test_int8_key_planes_are_the_codes_at_their_weights():
     """`_key8_plane` over every byte value: dense plane P holds code P at weight 1 or 4 (planes 1, 3),
     the high plane 4x that, all as non-negative int8."""
-    from kernels.decode import _bias
+    from kernels.state import _bias
 
     x = torch.arange(256, dtype=torch.uint8, device=DEVICE)
     y = torch.zeros(8, 256, dtype=torch.int8, device=DEVICE)
@@ -179,7 +201,7 @@ def test_int8_page_scores_are_the_rounded_query_against_the_codes():
     docstring says (127 steps of each head's largest magnitude, the boosted channels' on their own,
     the residuals' share at the codes' mean taken out), to fp32 rounding; and within the bound that
     rounding leaves of the exact scores of the dequantized page."""
-    from kernels.decode import _bias
+    from kernels.state import _bias
 
     d, r, g4, nb = (64, 4, 32, 32) if DEVICE == "cuda" else (16, 4, 4, 4)
     gen = torch.Generator().manual_seed(7)
@@ -243,7 +265,8 @@ def test_launch_plan_takes_deep_settings_only_for_grids_of_several_waves():
 
 
 def test_boost_rates_0_to_100_percent():
-    from kernels.decode import decode_attention, decode_attention_reference, decode_attention_unfused
+    from kernels.decode import decode_attention, decode_attention_reference
+    from kernels.decode_unfused import decode_attention_unfused
 
     for rate in (0.0, 0.125, 0.25, 1.0):
         layer = _layer(f"kitty+boost_rate={rate}" + SMALL, [SINK + 2 * GROUP + 4, SINK + 4 * GROUP + 2], seed=1)
@@ -286,7 +309,7 @@ def test_triton_engine_agrees_with_reference_on_the_demo_model(dtype):
 @pytest.mark.parametrize("n_boost", [0, 2, DIM])
 @pytest.mark.parametrize("value_bits", [2, 4])
 def test_dequantize_kernel_is_exact(n_boost, value_bits):
-    from kernels.decode import dequantize_pages
+    from kernels.dequant import dequantize_pages
     from kitty_core.quant import dequantize_keys, dequantize_values, quantize_keys, quantize_values
 
     x = torch.randn(3, 2, GROUP, DIM, device=DEVICE) * torch.linspace(0.5, 4, DIM, device=DEVICE)
@@ -341,7 +364,7 @@ def test_a_prompt_prefilled_in_chunks_attends_to_its_history_on_the_pages(monkey
     state the chunks leave is the same."""
     from conftest import tiny_model
 
-    import kernels.engine as engine
+    import kitty_core.triton_engine as engine
     from kitty_core import KittyCache
 
     calls = []
@@ -366,7 +389,7 @@ def test_a_long_chunk_attends_over_the_dense_history_unless_it_does_not_fit(monk
     dense FP16 history; when that copy runs out of memory, on the pages, with nothing lost."""
     from conftest import tiny_model
 
-    import kernels.engine as engine
+    import kitty_core.triton_engine as engine
     from kitty_core import KittyCache
     from kitty_core.cache import ReferenceEngine
 
@@ -398,11 +421,90 @@ def test_a_long_chunk_attends_over_the_dense_history_unless_it_does_not_fit(monk
         torch.testing.assert_close(g, w, atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("spec", ["kitty-pro", "kivi-k2v2"])
-def test_prefill_attention_matches_attention_over_the_dense_history(spec):
+def _gemma2(softcap: float | None, layer_types=("full_attention", "full_attention"), head_dim: int = 16,
+            device: str = "cpu", dtype=torch.float32):
+    """A tiny random Gemma 2 on its eager attention (which applies the softcap), with its queries
+    scaled up (x 20, and query_pre_attn_scalar 1) so that a softcap of 1 bends the scores: the same
+    weights for every `softcap`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("gemma2", vocab_size=256, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, sliding_window=64,
+                               query_pre_attn_scalar=1, attn_logit_softcapping=softcap,
+                               max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight *= 20
+    return model.to(device, dtype).eval()
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="tiny shapes for the interpreter; the gpu test below covers a GPU")
+def test_a_softcapped_model_attends_on_the_pages_with_its_softcap():
+    """Gemma 2 (softcap 1, every layer full attention) on the Triton engine: a later prefill chunk on
+    the pages, then decode steps from device counters, give the reference engine's logits (whose
+    eager attention softcaps); the same model without its softcap is far from both."""
+    from kitty_core import KittyCache
+
+    spec = "kitty-pro+sink=4+group_size=16+local_window=16"
+    ids = torch.randint(3, 256, (2, 56), generator=torch.Generator().manual_seed(1))
+    logits, caches = {}, {}
+    for name, softcap, engine in (("triton", 1.0, "triton"), ("reference", 1.0, "reference"),
+                                  ("uncapped", None, "reference")):
+        model = _gemma2(softcap)
+        caches[name] = KittyCache(model, spec, engine=engine)
+        logits[name] = _chunked_prefill(model, caches[name], ids[:, :53], [40, 12])  # chunks, a step
+        with torch.inference_mode():
+            for i in range(53, 56):
+                logits[name].append(model(input_ids=ids[:, i : i + 1], past_key_values=caches[name]).logits[:, -1])
+    triton = caches["triton"]
+    assert triton.layers[0].softcap == 1.0 and triton.is_compileable
+    assert triton.layers[0].steps is not None  # the decode steps ran from device counters
+    for got, want, uncapped in zip(logits["triton"], logits["reference"], logits["uncapped"]):
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)  # as the chunked prefill test's
+        assert (uncapped - want).abs().max() > 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer_types", [("sliding_attention", "full_attention"), ("full_attention",) * 2])
+def test_a_softcapped_model_generates_on_the_triton_engine_as_on_the_reference(layer_types):
+    """Gemma 2 (softcap 1, head size 64, fp16) generating 48 greedy tokens with kitty-pro on both
+    engines: its full layers on the kernels (with every layer full, from device counters in
+    transformers' compiled decode), its sliding layers on the reference path. Its logits are ~0.7 at
+    most, and without the softcap ~0.8 away (fp32, CPU): the scores of every step agree to within
+    0.03; the tokens are the same, unless the reference's two best tokens were closer than 0.06 where
+    they part (a random model's top two are often a few 1e-3 apart)."""
+    from kitty_core import KittyCache
+
+    model = _gemma2(1.0, layer_types, head_dim=64, device="cuda", dtype=torch.float16)
+    uncapped = _gemma2(None, layer_types, head_dim=64, device="cuda", dtype=torch.float16)
+    ids = torch.randint(3, 256, (2, 300), generator=torch.Generator().manual_seed(1)).cuda()
+    gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=48, min_new_tokens=48, do_sample=False,
+               pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    spec = "kitty-pro+sink=4+group_size=64+local_window=64"
+    with torch.inference_mode():
+        outs = {e: model.generate(input_ids=ids, past_key_values=KittyCache(model, spec, engine=e), **gen)
+                for e in ("triton", "reference")}
+        plain = uncapped.generate(input_ids=ids, past_key_values=KittyCache(uncapped, spec, engine="reference"), **gen)
+    got, want = outs["triton"], outs["reference"]
+    scores, ref_scores = torch.stack(got.scores).float(), torch.stack(want.scores).float()  # [steps, B, V]
+    assert (torch.stack(plain.scores).float()[0] - ref_scores[0]).abs().max() > 0.2  # the cap matters
+    same = (got.sequences == want.sequences).all(0)[ids.shape[1]:]
+    first = int((~same).nonzero()[0]) if not same.all() else len(same)
+    torch.testing.assert_close(scores[:first + 1], ref_scores[:first + 1], atol=0.03, rtol=0.03)
+    if first < len(same):  # a near-tie decided differently
+        top2 = ref_scores[first].topk(2, -1).values
+        assert ((top2[:, 0] - top2[:, 1]) < 0.06).any(), f"the engines part at step {first} without a near-tie"
+
+
+@pytest.mark.parametrize("spec, softcap", [("kitty-pro", None), ("kivi-k2v2", None), ("kitty-pro", 1.5)])
+def test_prefill_attention_matches_attention_over_the_dense_history(spec, softcap):
     """`prefill_attention` (decode kernels over the state + the chunk over itself, merged by their
-    log-sum-exps) against softmax attention over the dequantized history and the chunk, causal."""
-    from kernels.decode import prefill_attention
+    log-sum-exps) against softmax attention over the dequantized history and the chunk, causal; with a
+    softcap, on both sides."""
+    from kernels.prefill import prefill_attention
 
     layer = _layer(spec + SMALL, [SINK + 3 * GROUP + 5] * 2, seed=7)
     layer.pad = [0, 0]  # no padding: a prompt's later chunk
@@ -415,21 +517,26 @@ def test_prefill_attention_matches_attention_over_the_dense_history(spec):
     values = torch.cat([past_v, v], 2).repeat_interleave(2, 1)
     n = past_k.shape[2]
     mask = torch.ones(t, n + t, dtype=torch.bool, device=DEVICE).tril(n)
-    want = torch.softmax(((q @ keys.transpose(-1, -2)) * 0.25).masked_fill(~mask, float("-inf")), -1) @ values
-    torch.testing.assert_close(prefill_attention(layer, q, k, v, 0.25), want, atol=5e-3, rtol=1e-2)
+    scores = (q @ keys.transpose(-1, -2)) * 0.25
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    want = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ values
+    torch.testing.assert_close(prefill_attention(layer, q, k, v, 0.25, softcap=softcap), want, atol=5e-3, rtol=1e-2)
 
 
 # a 16-bit model's dtype: bf16 on a GPU; fp16 in the interpreter, whose bf16 dots are wrong (Triton 3.6)
 HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 
 
-@pytest.mark.parametrize("rep, t", [(1, 1), (3, 13), (4, 32), (2, 40), (8, 7)])
+@pytest.mark.parametrize("rep, t, softcap", [(1, 1, None), (3, 13, None), (4, 32, None), (2, 40, None), (8, 7, None),
+                                             (2, 40, 1.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
-def test_chunk_self_attention_matches_its_reference(rep, t, dtype):
+def test_chunk_self_attention_matches_its_reference(rep, t, softcap, dtype):
     """The chunk's causal attention to itself, merged with attention elsewhere by log-sum-exps
     (`_chunk_self_kernel`), against the same in PyTorch: GQA groups of 1-8 (3 pads to 4 rows), chunks
-    of one token to more than one key block, past sides from negligible to dominant."""
-    from kernels.decode import chunk_self_attention, chunk_self_attention_reference
+    of one token to more than one key block, past sides from negligible to dominant; a softcap that
+    bends the scores (up to ~10, capped at 1)."""
+    from kernels.prefill import chunk_self_attention, chunk_self_attention_reference
 
     g = torch.Generator().manual_seed(rep * 100 + t)
     b, h = 2, 2
@@ -440,14 +547,17 @@ def test_chunk_self_attention_matches_its_reference(rep, t, dtype):
     q, k, v = rand(b, h * rep, t, DIM), rand(b, h, t, DIM, scale=2.0), rand(b, h, t, DIM)
     past = rand(b, h * rep, t, DIM)
     past_lse = (torch.randn(b, h * rep, t, generator=g) * 4).to(DEVICE)  # weights of the past side from ~e-8 up
-    got = chunk_self_attention(q, k, v, past, past_lse, 0.3)
-    want = chunk_self_attention_reference(q, k, v, past, past_lse, 0.3)
+    got = chunk_self_attention(q, k, v, past, past_lse, 0.3, softcap)
+    want = chunk_self_attention_reference(q, k, v, past, past_lse, 0.3, softcap)
+    if softcap:
+        uncapped = chunk_self_attention_reference(q, k, v, past, past_lse, 0.3)
+        assert (uncapped.float() - want.float()).abs().max() > 0.1
     assert got.dtype == dtype and got.shape == q.shape
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float(), want.float(), **tol)
     # the kernel reads the query and the chunk with any strides (here [B, t, H, D] transposed)
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)
-    torch.testing.assert_close(chunk_self_attention(qt, k, v, past, past_lse, 0.3), got)
+    torch.testing.assert_close(chunk_self_attention(qt, k, v, past, past_lse, 0.3, softcap), got)
 
 
 @pytest.mark.gpu
@@ -456,7 +566,7 @@ def test_chunked_prefill_on_the_pages_agrees_with_reference_on_the_demo_model():
     packed history through the kernels (7 launches a layer for 3 query heads a KV head); the logits
     agree with the reference engine's as the decode steps do
     (`test_triton_engine_agrees_with_reference_on_the_demo_model`)."""
-    import kernels.engine as engine
+    import kitty_core.triton_engine as engine
 
     from kitty_core import KittyCache, load_model
 

@@ -17,7 +17,7 @@ from kitty_core.cli import progress_bar
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = {"torch", "transformers", "pandas"}
 COMMANDS = [["kitty_core.evaluate"], ["kitty_core.probe"], ["kitty_core.passkey"], ["kitty_core.bench", "kernels"],
-            ["kitty_core.bench", "e2e"], ["kitty_core.bench", "generate"]]
+            ["kitty_core.bench", "e2e"], ["kitty_core.bench", "generate"], ["kitty_core.compile"]]
 
 
 def _env() -> dict:

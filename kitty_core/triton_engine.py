@@ -1,17 +1,21 @@
-"""The Triton engine: decode steps attend directly on packed pages through `decode.decode_attention`.
+"""The Triton engine: decode steps attend directly on packed pages through `kernels.decode.decode_attention`.
+
+The engine is the library's side of the kernels: it takes a `KittyLayer` and a model's attention
+module and hands the kernels the layer's tensors and sizes (`kernels/` imports nothing of the cache).
 
 A prefill's first chunk (several new tokens, no history) attends in FP16 over itself as the
 reference engine does. A later chunk of a prompt prefilled in pieces attends either as the reference
 engine does, over a dense FP16 copy of the whole history rebuilt from the pages, or to the history
-on the packed pages through the decode kernels and to itself in FP16 (`decode.prefill_attention`),
+on the packed pages through the decode kernels and to itself in FP16 (`kernels.prefill.prefill_attention`),
 which needs no copy: short chunks take the pages (`SHORT_CHUNK_LAUNCHES`), and a longer one does
 when the copy does not fit. A decode step from the host's record stores the new token in FP16, runs
 the fused kernel over the layer's state, then packs any buffer that became full (at most once every
 G steps). A decode step from device counters (`device_step`, through `kitty::decode_step`) lets the
-kernels store the token as they attend, from launches planned once (`decode.DecodeStep`), and
+kernels store the token as they attend, from launches planned once (`kernels.decode.DecodeStep`), and
 leaves the packing to the host after the step (`KittyCache.end_step`). Pages are
 packed by `kernels.pack` on CUDA (the torch quantizers where a kernel does not apply: the random
-rule, other page or head sizes).
+rule, other page or head sizes). A model's attention logit softcap (Gemma 2) is applied by the
+kernels in every one of these paths, as the reference engine's eager attention applies it.
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ import os
 
 import torch
 
-from kitty_core.cache import ReferenceEngine
+from kernels import pack
+from kernels.decode import DecodeStep, decode_attention, key_dots_of, step_workspace
+from kernels.prefill import prefill_attention, prefill_launches
 
-from . import cuda_decode, pack
-from .decode import DecodeStep, decode_attention, key_dots_of, prefill_attention, prefill_launches, step_workspace
+from kernels import cuda_decode
+
+from .cache import ReferenceEngine
 
 # A later prefill chunk attends on the pages when its history takes at most this many decode-kernel
 # launches (16 query rows each: 32 tokens of a GQA group of 4), else over the dense FP16 history if
@@ -42,8 +49,8 @@ class TritonEngine(ReferenceEngine):
 
     def __init__(self, key_dots: str | None = None, pages: str = "triton"):
         """`key_dots`: the page kernel's key dots, "fp16" or "int8"; None: by head size
-        (`decode.key_dots_of`). `pages`: "cuda" reads the packed pages of decode steps with
-        `cuda_decode` where it applies (else Triton, with one log line that says why)."""
+        (`kernels.decode.key_dots_of`). `pages`: "cuda" reads the packed pages of decode steps with
+        `kernels.cuda_decode` where it applies (else Triton, with one log line that says why)."""
         if key_dots is not None:
             key_dots_of(key_dots, 0)  # a clear error now, not at the first decode step
         if pages not in PAGE_KERNELS:
@@ -86,15 +93,14 @@ class TritonEngine(ReferenceEngine):
         (a prompt's later chunk), no padding (the chunk's mask is causal, nothing else), no sliding
         window, not during device-driven steps, and a layer and query the kernels take."""
         return (query.shape[2] > 1 and layer.seen > 0 and not any(layer.pad) and layer.steps is None
-                and getattr(module, "sliding_window", None) is None and not layer.softcap
-                and TritonEngine.supports(layer, query))
+                and getattr(module, "sliding_window", None) is None and TritonEngine.supports(layer, query))
 
     def attend(self, layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
         scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
         on_pages = self.chunk_on_pages(layer, module, query)
         if on_pages and prefill_launches(query.shape[1] // layer.heads, query.shape[2]) <= SHORT_CHUNK_LAUNCHES:
             return self._chunk_on_pages(layer, query, key_new, value_new, scaling)
-        if key_new.shape[2] != 1 or layer.softcap or not self.supports(layer, query):  # softcaps: the reference path
+        if key_new.shape[2] != 1 or not self.supports(layer, query):
             try:
                 out = self.attend_dense(layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
             except torch.OutOfMemoryError:
@@ -112,7 +118,8 @@ class TritonEngine(ReferenceEngine):
         if self._cuda_pages(layer, query.shape[1], query.dtype, query.device):
             out = cuda_decode.decode_attention(layer, query, scaling, self._workspace(layer))
         else:
-            out = decode_attention(layer, query, scaling, self._workspace(layer), key_dots=self.key_dots)
+            out = decode_attention(layer, query, scaling, self._workspace(layer), key_dots=self.key_dots,
+                                   softcap=layer.softcap)
         layer.pack_full()
         return out.transpose(1, 2), None  # transformers expects [B, t, Hq, D]
 
@@ -120,6 +127,11 @@ class TritonEngine(ReferenceEngine):
         """Does the CUDA page kernel read this layer's pages? Decided once per shape (a first call
         builds the kernel), with one log line where it falls back to Triton."""
         if self.pages != "cuda":
+            return False
+        if layer.softcap:  # the CUDA page kernel has no softcap
+            if "softcap" not in self._cuda_ok:
+                log.warning("decode pages on Triton, not the CUDA kernel: it applies no logit softcap")
+                self._cuda_ok["softcap"] = False
             return False
         c = layer.config
         key = (layer.head_dim, c.group_size, layer.n_boost, c.value_bits, q_heads // layer.heads, dtype, device)
@@ -137,7 +149,7 @@ class TritonEngine(ReferenceEngine):
         if self._cuda_pages(layer, q_heads, layer.dtype, layer.device):
             self.steps[layer.layer_idx] = cuda_decode.DecodeStep(layer, ws)
             return cuda_decode.step_workspace(layer, q_heads, ws)
-        self.steps[layer.layer_idx] = DecodeStep(layer, ws, self.key_dots)
+        self.steps[layer.layer_idx] = DecodeStep(layer, ws, self.key_dots, layer.softcap)
         return step_workspace(layer, q_heads, ws)
 
     def _workspace(self, layer) -> dict:
@@ -157,7 +169,7 @@ class TritonEngine(ReferenceEngine):
         return self.steps[layer.layer_idx](query, key_new, value_new, scaling).transpose(1, 2)
 
     def _chunk_on_pages(self, layer, query, key_new, value_new, scaling):
-        out = prefill_attention(layer, query, key_new, value_new, scaling, self.key_dots)
+        out = prefill_attention(layer, query, key_new, value_new, scaling, self.key_dots, layer.softcap)
         layer.insert(key_new, value_new)
         layer.drop_dense_view()
         return out.transpose(1, 2), None

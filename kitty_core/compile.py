@@ -1,12 +1,13 @@
 """Compile the decode kernels for a CUDA GPU on any machine, GPU or not, and read what ptxas made
 of them: registers, spills, shared memory and the SASS instruction mix of each kernel.
 
-    python -m kernels.compile                          # Qwen3-8B attention, kitty-pro, sm_90
-    python -m kernels.compile --unpack bits,ptx --method kitty+boost_rate=0
-    python -m kernels.compile --key-dots fp16,int8 --unpack ptx --stages 3 --max-registers 168 \
-        --pages-per-program 32                         # a deep grid's settings (batch 489)
-    python -m kernels.compile --warps 4 --max-registers 0
-    python -m kernels.compile --new-token --unpack ptx  # the tail as graph-replayed steps launch it
+    python -m kitty_core.compile                           # Qwen3-8B attention, kitty-pro, sm_90
+    python -m kitty_core.compile --unpack bits,ptx --method kitty+boost_rate=0
+    python -m kitty_core.compile --key-dots fp16,int8 --unpack ptx --stages 3 --max-registers 168 \
+        --pages-per-program 32                             # a deep grid's settings (batch 489)
+    python -m kitty_core.compile --warps 4 --max-registers 0
+    python -m kitty_core.compile --new-token --unpack ptx  # the tail as graph-replayed steps launch it
+    kitty-compile ...                                      # the same, installed
 
 Triton's wheel ships ptxas and cuobjdump, so this needs neither a GPU nor a CUDA install. It shows
 what a kernel change does to the instruction stream before any GPU time is spent; the speed itself
@@ -15,7 +16,6 @@ is measured on a GPU (`python -m kitty_core.bench kernels`).
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
@@ -23,9 +23,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-import pandas as pd
-import torch
-import triton
+from .cli import parser
 
 # SASS opcode families (the opcode before the first dot)
 FAMILIES = {
@@ -41,12 +39,15 @@ FAMILIES = {
 
 
 def _tools() -> Path:
+    import triton
+
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def compile_launch(kernel, args, options: dict, arch: int = 90):
     """One launch (`decode.decode_launches`) compiled for sm_`arch`, specialized exactly as a launch
     with these arguments would be (strides of 1, 16-byte alignment), without a GPU."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -108,12 +109,15 @@ def inspect(compiled) -> dict:
 
 
 def layer_for(method: str, batch: int = 2, length: int = 2048, kv_heads: int = 8, head_dim: int = 128,
-              dtype=torch.bfloat16):
-    """A CPU layer with the shapes of a model's attention: compiling needs its tensors' dtypes,
-    strides and alignment, not their values or a GPU."""
-    from kitty_core.cache import KittyLayer, ReferenceEngine
-    from kitty_core.config import parse_method
+              dtype=None):
+    """A CPU layer with the shapes of a model's attention (bf16 unless `dtype`): compiling needs its
+    tensors' dtypes, strides and alignment, not their values or a GPU."""
+    import torch
 
+    from .cache import KittyLayer, ReferenceEngine
+    from .config import parse_method
+
+    dtype = dtype or torch.bfloat16
     layer = KittyLayer(parse_method(method), ReferenceEngine())
     empty = torch.zeros(batch, kv_heads, 0, head_dim, dtype=dtype)
     layer.lazy_initialization(empty, empty)
@@ -124,12 +128,16 @@ def layer_for(method: str, batch: int = 2, length: int = 2048, kv_heads: int = 8
 
 
 def report(method: str = "kitty-pro", unpacks=("ptx",), q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-           arch: int = 90, dtype=torch.bfloat16, key_dots=(None,), new_token: bool = False, **launch) -> pd.DataFrame:
+           arch: int = 90, dtype=None, key_dots=(None,), new_token: bool = False, **launch) -> pd.DataFrame:
     """Per kernel of the fused decode step, unpack mode and page-kernel key dots: ptxas resources and
     the SASS mix (the tail kernel once per unpack mode: it has no key dots of its own).
     `new_token`: the tail kernel as a step from device counters launches it, writing the step's token."""
-    from .decode import decode_launches, key_dots_of
+    import pandas as pd
+    import torch
 
+    from kernels.decode import decode_launches, key_dots_of
+
+    dtype = dtype or torch.bfloat16
     layer = layer_for(method, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
     batch = layer.k_sink.buf.shape[0]
     q = torch.randn(batch, q_heads, 1, head_dim, dtype=dtype)
@@ -152,8 +160,8 @@ def report(method: str = "kitty-pro", unpacks=("ptx",), q_heads: int = 32, kv_he
     return pd.DataFrame(rows)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kernels.compile", description=__doc__.split("\n\n")[0])
+def arguments():
+    p = parser("kitty_core.compile", __doc__.split("\n\n")[0])
     p.add_argument("--method", default="kitty-pro")
     p.add_argument("--unpack", default="ptx,bits")
     p.add_argument("--key-dots", default=None, help="the page kernel's key dots: fp16, int8 or both "
@@ -173,7 +181,12 @@ def main(argv=None) -> int:
     p.add_argument("--columns", default="kernel,unpack,key_dots,warps,registers,spill_ops,loop_spill_ops,shared_bytes,instructions,"
                    "loop_instructions,warp_instructions_per_page,"
                    "loop_tensor core,loop_integer/bit,loop_shared,loop_float,loop_shuffle,loop_other")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    p = arguments()
+    a = p.parse_args(argv)  # before torch and Triton load
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("unset TRITON_INTERPRET: the interpreter does not compile")
     launch = {} if a.max_registers is None else {"max_registers": a.max_registers or None}
