@@ -139,7 +139,8 @@ def test_engine_falls_back_to_triton_with_one_log_line(caplog):
     assert engine.pages == "cuda" and make_engine("triton").pages == "triton"
     with pytest.raises(ValueError, match="triton, cuda"):
         make_engine("triton+pages=tilelang")
-    layer = SimpleNamespace(head_dim=64, heads=2, n_boost=16, config=SimpleNamespace(group_size=G, value_bits=2))
+    layer = SimpleNamespace(head_dim=64, heads=2, n_boost=16, softcap=None,
+                            config=SimpleNamespace(group_size=G, value_bits=2))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with caplog.at_level("WARNING", logger="kitty_core.triton_engine"):
         assert not engine._cuda_pages(layer, 8, torch.bfloat16, device)
