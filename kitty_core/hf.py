@@ -75,8 +75,6 @@ def kitty_mask(*args, config=None, **kwargs):
     longer than what the cache already holds (a cache reused for another prompt): it would feed a
     slice of the prompt, or none of it, as the continuation. Refused here, before attention runs, as
     is an input of no tokens."""
-    if kwargs.get("q_length") == 0:  # else the model's own reshape of 0 tokens fails, in its words
-        raise ValueError("the input has no tokens (an empty prompt?): give at least one token")
     mask, kv = kwargs.get("attention_mask"), kwargs.get("kv_length", 0) + kwargs.get("kv_offset", 0)
     if mask is not None and mask.dim() == 2 and mask.shape[-1] < kv:
         raise ValueError(
@@ -85,6 +83,8 @@ def kitty_mask(*args, config=None, **kwargs):
             "continues it), so a new prompt needs a new cache: pass past_key_values=KittyCache(model, method) to "
             "each call (a pipeline over several prompts: one call per prompt, or all of them in one batch with "
             "batch_size=len(prompts))")
+    if kwargs.get("q_length") == 0:  # else the model's own reshape of 0 tokens fails, in its words
+        raise ValueError("the input has no tokens (an empty prompt?): give at least one token")
     return ALL_MASK_ATTENTION_FUNCTIONS[_base(config)](*args, config=config, **kwargs)
 
 
