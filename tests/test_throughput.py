@@ -261,8 +261,8 @@ def test_e2e_refuses_to_merge_into_a_run_of_other_settings(tmp_path, capsys):
 
     out = tmp_path / "run.json"
     out.write_text(json.dumps(_run_file(["dynamic"], [("dynamic", 96)], "cmd 1")))
-    assert main(["e2e", "--model", "demo", "--device", "cpu", "--caches", "fp16-prealloc", "--out", str(out),
-                 "--merge"]) == 2
+    assert main(["e2e", "--model", "demo", "--device", "cpu", "--caches", "fp16-prealloc", "--prompt", "64",
+                 "--generate", "64", "--out", str(out), "--merge"]) == 2
     assert "--merge needs the same" in capsys.readouterr().err
     assert json.loads(out.read_text())["points"] == [{"cache": "dynamic", "batch": 96}]  # left as it was
     assert main(["e2e", "--model", "demo", "--caches", "fp16-prealloc", "--merge"]) == 2
