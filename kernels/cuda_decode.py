@@ -1,7 +1,7 @@
 """The page part of fused decode attention as a CUDA C++ kernel (`kernels/cuda/decode.cu`), built at
 first use with `torch.utils.cpp_extension.load_inline` and cached by torch's extension cache.
 
-The kernel reads the library's packed pages as they are stored (`kitty_core.cache.PagePool`) and
+The kernel reads the library's packed pages as they are stored (`kitty_core.page_pool.PagePool`) and
 writes the same partial softmaxes as the Triton page kernel, so the Triton tail kernel (the FP16
 sink, q-buffer and value window) and the combine stay as they are: `decode_attention` is the Triton
 step with its page launch replaced. Why the layout is chosen there (tensor-core fragments built from

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kitty_core.quant import KeyPages
+from .pages import KeyPages
 
 from .ptx import _plane
 

@@ -1,5 +1,5 @@
-"""Quantize-and-pack kernels: G tokens of FP16/bf16 keys or values -> the page format of
-`kitty_core.quant`, bit for bit what its PyTorch quantizers produce.
+"""Quantize-and-pack kernels: G tokens of FP16/bf16 keys or values -> the page format of `pages.py`,
+bit for bit what the PyTorch quantizers of `kitty_core.quant` produce.
 
 One program per (page, KV head). The page is loaded as a [rows, 4, n/4] tile whose middle axis is
 the code plane (element j of a packed row sits in plane j // (n/4)), so a byte is the sum over that
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kitty_core.quant import KeyPages, ValuePages, boost_index_dtype
+from .pages import KeyPages, ValuePages, boost_index_dtype
 
 RULES = {"magnitude": 0, "range": 1, "qk": 2}  # channel scores the key kernel computes itself
 

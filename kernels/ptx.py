@@ -1,7 +1,7 @@
 """Inline PTX for the decode kernels, each beside the element-wise code that stands in for it (off
 CUDA, in Triton's interpreter, or by choice: `decode_attention(unpack=...)`).
 
-Code planes (`kitty_core.quant`): a packed byte holds four 2-bit codes, one per plane; plane P is bits
+Code planes (`kernels/pages.py`): a packed byte holds four 2-bit codes, one per plane; plane P is bits
 2P and 2P + 1. Codes become fp16 operands without a conversion instruction: `code | 0x6400` is the
 bit pattern of the fp16 number 1024 + code, and the 1024 is taken out after the dot (1024 x the row
 sum of the other operand). On CUDA, inline PTX builds these patterns four codes at a time (a shift, a

@@ -2,17 +2,17 @@
 unfused) build from it.
 
 The kernels take tensors and sizes. A layer reaches them as anything with the attributes of
-`PagedLayer` (`kitty_core.cache.KittyLayer` is one): its sizes, and `kernel_state()`, a dict of the
+`PagedLayer` (`kitty_core.layer.KittyLayer` is one): its sizes, and `kernel_state()`, a dict of the
 tensors a step reads (`_kernel_args` lists them): FP16 sink, key q-buffer and value window
 [B, H, cap, D]; the page pools' fields [P, H, ...]; the page tables [B, width] and counts [B] (int32);
 the real tokens per sequence `lens` [B]; and `max_slots`, the page slots of the longest sequence.
-The kernels take every stride of the planes: `kitty_core.cache.PagePool` stores them with the
+The kernels take every stride of the planes: `kitty_core.page_pool.PagePool` stores them with the
 reduced axis contiguous (key channels, value tokens), so that a tensor-core operand reads four
 codes' bytes at once from shared memory.
 
 How a key page is read (the tail kernel and the unfused qk kernel; the fused page kernel reads its
 pages transposed, `decode_fused`). A packed row of n codes is four planes of n/4 contiguous elements
-(byte i holds elements i, i + n/4, i + n/2, i + 3n/4; `kitty_core.quant`). A key page head is one
+(byte i holds elements i, i + n/4, i + n/2, i + 3n/4; `pages.py`). A key page head is one
 [D, G/4] byte load whose plane P, `(byte >> 2P) & 3`, is the [D, G/4] code tile of tokens
 P*G/4 .. (P+1)*G/4; so a page costs four tensor-core dots q [heads, D] @ plane [D, G/4], for all query
 heads of the GQA group at once, with no shuffle of unpacked values. The compact high plane
@@ -31,7 +31,7 @@ import triton.language as tl
 from .ptx import _plane_f16
 
 class PagedLayer(Protocol):
-    """What the kernels read of a layer (duck-typed: `kitty_core.cache.KittyLayer`)."""
+    """What the kernels read of a layer (duck-typed: `kitty_core.layer.KittyLayer`)."""
 
     config: object  # group_size, sink, local_window, value_bits (`kitty_core.config.KittyConfig`)
     heads: int  # KV heads

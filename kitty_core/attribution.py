@@ -80,7 +80,8 @@ def layer_state(cap, method: str, layer: int, tokens: int):
     """One layer's KittyLayer (reference engine) holding the first `tokens` captured tokens."""
     import torch
 
-    from .cache import KittyLayer, ReferenceEngine
+    from .layer import KittyLayer
+    from .reference_engine import ReferenceEngine
     from .config import parse_method
 
     state = KittyLayer(parse_method(method), ReferenceEngine(), layer)

@@ -138,7 +138,8 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from .cache import KittyLayer, ReferenceEngine  # noqa: E402
+from .layer import KittyLayer  # noqa: E402
+from .reference_engine import ReferenceEngine  # noqa: E402
 from .config import parse_method  # noqa: E402
 from .results import ResultFileError, read_e2e, stamp  # noqa: E402
 

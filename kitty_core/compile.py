@@ -114,7 +114,8 @@ def layer_for(method: str, batch: int = 2, length: int = 2048, kv_heads: int = 8
     tensors' dtypes, strides and alignment, not their values or a GPU."""
     import torch
 
-    from .cache import KittyLayer, ReferenceEngine
+    from .layer import KittyLayer
+    from .reference_engine import ReferenceEngine
     from .config import parse_method
 
     dtype = dtype or torch.bfloat16

@@ -52,7 +52,7 @@ class KittyConfig:
 
     def boosted_channels(self, head_dim: int) -> int:
         """Number of key channels stored at 4 bits in every page (all of them when key_bits=4); with an
-        `allocation`, the average over layers (each layer's count is in the file, `calibrate.check`)."""
+        `allocation`, the average over layers (each layer's count is in the file, `allocation.check`)."""
         if self.key_bits == 4:
             return head_dim
         return int(round(self.boost_rate * head_dim))

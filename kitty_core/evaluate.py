@@ -46,7 +46,8 @@ import time  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from .cache import KittyCache, available_engines, make_engine  # noqa: E402
+from .cache import KittyCache  # noqa: E402
+from .engines import available_engines, make_engine  # noqa: E402
 from .config import parse_method  # noqa: E402
 from .models import ModelLoadError, load_model  # noqa: E402
 from .results import boost_share, stamp  # noqa: E402

@@ -69,7 +69,7 @@ def base_attention(module):
 def kitty_mask(*args, config=None, **kwargs):
     """The mask of the attention the model ran before `kitty` (SDPA's boolean mask, eager's additive
     one ...): `base_attention` reads it as that attention would. A Kitty layer reads its pads from the
-    diagonal of either kind (`cache.leading_pads`).
+    diagonal of either kind (`leading_pads`).
 
     A 2D mask shorter than the cache's tokens and the new ones is what `generate` makes of a prompt no
     longer than what the cache already holds (a cache reused for another prompt): it would feed a
@@ -196,3 +196,27 @@ def model_shape(config) -> dict:
         "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         "context": getattr(cfg, "max_position_embeddings", None),
     }
+
+
+LEFT_PADDING = ("KittyCache expects left padding (pads first, then the real tokens); "
+                 "set tokenizer.padding_side = 'left'")
+
+
+def leading_pads(mask: torch.Tensor | None, batch: int, length: int) -> list[int]:
+    """Pads at the start of each sequence's `length` new tokens, from the 4D mask of a prefill: the
+    diagonal of its last `length` columns, where a real token sees itself and a pad is masked (the last
+    row would not do: a sliding window hides real tokens from it). All `length` may be pads (a chunk
+    of a longer prompt); a pad after a real token is an error."""
+    if mask is None:
+        return [0] * batch
+    n = torch.arange(length, device=mask.device)
+    row = mask[:, 0, n - length + mask.shape[2], n - length + mask.shape[3]]  # [B or 1, length]
+    allowed = row if row.dtype == torch.bool else row == 0
+    allowed = allowed.expand(batch, length).cpu()
+    pads = []
+    for b in range(batch):
+        n_pad = int((~allowed[b]).sum())
+        if bool((~allowed[b, n_pad:]).any()):
+            raise ValueError(LEFT_PADDING)
+        pads.append(n_pad)
+    return pads

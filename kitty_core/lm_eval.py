@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--tasks-dir", type=Path, default=None, help="where the suite's files go (default: under KITTY_CACHE_DIR)")
     p.add_argument("--out", type=Path, default=Path("data/results/lm_eval.json"), help="the table (JSON)")
     a = p.parse_args(argv)
-    from .cache import make_engine
+    from .engines import make_engine
     from .models import ModelLoadError, load_model
 
     try:

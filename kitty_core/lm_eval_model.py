@@ -40,7 +40,8 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.models.utils import Collator
 from tqdm import tqdm
 
-from .cache import KittyCache, make_engine
+from .cache import KittyCache
+from .engines import make_engine
 from .config import parse_method
 from .models import LoadedModel, ModelLoadError, load_model
 

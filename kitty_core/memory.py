@@ -1,6 +1,6 @@
 """The byte budget of a method on a model: what each token costs, and what fits in a memory budget.
 
-Paged tokens cost `KittyConfig.token_bytes` per KV head (the page format of quant.py); FP16 tokens
+Paged tokens cost `KittyConfig.token_bytes` per KV head (the page format of kernels/pages.py); FP16 tokens
 cost 4D bytes (key and value). Beside its pages a sequence holds at most S + G FP16 keys (sink,
 q-buffer) and S + R + G FP16 values (sink, local window, q-buffer).
 """

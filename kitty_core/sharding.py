@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import nullcontext
 
 import torch
 
@@ -114,3 +115,9 @@ def placement_summary(device_map: dict | None) -> str:
 def devices_used(device_map: dict | None) -> list[str]:
     """The distinct devices of a device map, in the order they first appear."""
     return list(dict.fromkeys(_device_name(w) for w in (device_map or {}).values()))
+
+
+def on_device(device: torch.device):
+    """Make `device` current while a layer's kernels run: Triton launches on the current CUDA device, and
+    the layers of a model split by a device_map are on several (a no-op off CUDA)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()

@@ -46,7 +46,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import CompileConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, QuantizedCache, StaticCache
 
-from .cache import KittyCache, KittyLayer
+from .cache import KittyCache
+from .layer import KittyLayer
 from .config import parse_method
 from .graphs import CompiledDecoder, GraphedDecoder, StepCounters, can_graph, cudagraph_trees_for_this_thread
 from .hf import PendingKV, num_attention_layers
@@ -202,7 +203,7 @@ def preset_kind(kind: str):
     """A preset cache kind, "method" or "method@engine" (e.g. "kitty-pro@triton+key_dots=fp16", to
     time one engine setting beside another in one sweep) -> (KittyConfig, engine name or None).
     ValueError for an unknown method or engine."""
-    from .cache import make_engine
+    from .engines import make_engine
 
     method, _, engine = kind.partition("@")
     config = parse_method(method)
@@ -332,7 +333,7 @@ def peak_per_gpu() -> int:
     return max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count()))
 
 
-WORKING_VIEWS = ("_view_k", "_view_v")  # the reference engine's dense FP16 working copy (cache.py)
+WORKING_VIEWS = ("_view_k", "_view_v")  # the reference engine's dense FP16 working copy (dense_view.py)
 
 
 def cache_bytes(cache: Cache, views: bool = False) -> int:

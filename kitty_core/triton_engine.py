@@ -31,7 +31,7 @@ from kernels.prefill import prefill_attention, prefill_launches
 
 from kernels import cuda_decode
 
-from .cache import ReferenceEngine
+from .reference_engine import ReferenceEngine
 
 # A later prefill chunk attends on the pages when its history takes at most this many decode-kernel
 # launches (16 query rows each: 32 tokens of a GQA group of 4), else over the dense FP16 history if

@@ -6,7 +6,8 @@ from transformers import DynamicCache
 
 from conftest import FAMILIES, tiny_model
 from kitty_core import KittyCache, parse_method
-from kitty_core.cache import KittyLayer, ReferenceEngine
+from kitty_core.layer import KittyLayer
+from kitty_core.reference_engine import ReferenceEngine
 
 
 class _NoAttention(ReferenceEngine):
@@ -66,7 +67,7 @@ def test_page_tables_on_host_and_device_follow_every_way_of_adding_pages():
     """A PagePool's page tables, kept on the host and on the device and updated in place, list each
     sequence's pages in the order they were added, whichever call added them, through regrowth of
     the tables; reserved width is kept, so a captured graph's table does not move."""
-    from kitty_core.cache import PagePool
+    from kitty_core.page_pool import PagePool
     from kitty_core.quant import quantize_values
 
     def pages(n):

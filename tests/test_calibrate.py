@@ -8,8 +8,8 @@ import torch
 
 from conftest import tiny_model
 from kitty_core import KittyCache
-from kitty_core.calibrate import (FORMAT, allocate, allocate_measured, channel_costs, count_grid, layer_costs, main,
-                                  read)
+from kitty_core.allocation import FORMAT, read
+from kitty_core.calibrate import allocate, allocate_measured, channel_costs, count_grid, layer_costs, main
 
 
 def test_allocation_follows_the_costs_within_the_budget():

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kernels import cuda_decode
-from kitty_core.cache import KittyLayer, ReferenceEngine
+from kitty_core.layer import KittyLayer
+from kitty_core.reference_engine import ReferenceEngine
 from kitty_core.config import parse_method
 
 SINK, G, D = 32, 128, 128
@@ -133,7 +134,7 @@ def test_engine_falls_back_to_triton_with_one_log_line(caplog):
     Triton reads the pages, and one warning says why, once per layer shape."""
     from types import SimpleNamespace
 
-    from kitty_core.cache import make_engine
+    from kitty_core.engines import make_engine
 
     engine = make_engine("triton+pages=cuda")
     assert engine.pages == "cuda" and make_engine("triton").pages == "triton"

@@ -8,7 +8,8 @@ import triton.language as tl
 
 from kernels.decode_fused import _page_scores_i8
 from kernels.ptx import _key8_plane
-from kitty_core.cache import KittyLayer, ReferenceEngine
+from kitty_core.layer import KittyLayer
+from kitty_core.reference_engine import ReferenceEngine
 from kitty_core.config import parse_method
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -391,7 +392,7 @@ def test_a_long_chunk_attends_over_the_dense_history_unless_it_does_not_fit(monk
 
     import kitty_core.triton_engine as engine
     from kitty_core import KittyCache
-    from kitty_core.cache import ReferenceEngine
+    from kitty_core.reference_engine import ReferenceEngine
 
     model = tiny_model("qwen3")
     ids = torch.randint(3, 256, (2, 93))
@@ -588,7 +589,7 @@ def test_chunked_prefill_on_the_pages_agrees_with_reference_on_the_demo_model():
 def test_engine_names_carry_the_key_dots():
     """`KittyCache(..., engine=...)`: "triton+key_dots=int8" reaches the kernels; a wrong option or
     value is a ValueError that names the choices, before any model runs."""
-    from kitty_core.cache import make_engine
+    from kitty_core.engines import make_engine
 
     assert make_engine("triton+key_dots=int8").key_dots == "int8"
     assert make_engine("triton").key_dots is None  # by head size (`key_dots_of`)

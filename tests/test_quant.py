@@ -1,15 +1,8 @@
 import pytest
 import torch
 
-from kitty_core.quant import (
-    dequantize_keys,
-    dequantize_values,
-    key_codes,
-    pack_2bit,
-    quantize_keys,
-    quantize_values,
-    unpack_2bit,
-)
+from kernels.pages import pack_2bit, unpack_2bit
+from kitty_core.quant import dequantize_keys, dequantize_values, key_codes, quantize_keys, quantize_values
 
 
 def test_pack_unpack_round_trip_is_bit_exact():

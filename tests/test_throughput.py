@@ -398,11 +398,11 @@ def test_measure_adds_what_packing_costs(monkeypatch):
     that packs costs beyond a plain one, timed once. A clock that reads 10 ms for a plain step and
     50 ms for a step that packed makes every figure exact."""
     from conftest import tiny_model
-    from kitty_core import cache as cache_module
+    from kitty_core import layer as layer_module
     from kitty_core import throughput
 
     packs = []
-    insert_all = cache_module.KittyLayer._insert_all
+    insert_all = layer_module.KittyLayer._insert_all
 
     def counting_insert_all(self, k, v, pack=True):
         before = self.k_pages.count + self.v_pages.count
@@ -415,7 +415,7 @@ def test_measure_adds_what_packing_costs(monkeypatch):
         fn()
         return 0.05 if len(packs) > before else 0.01
 
-    monkeypatch.setattr(cache_module.KittyLayer, "_insert_all", counting_insert_all)
+    monkeypatch.setattr(layer_module.KittyLayer, "_insert_all", counting_insert_all)
     monkeypatch.setattr(throughput, "_timed", clock)
     kind = "kitty-pro+group_size=16+local_window=16"
     row = throughput.measure(tiny_model("llama"), kind, 2, 40, 100, points=2)
