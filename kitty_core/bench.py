@@ -356,7 +356,7 @@ def fp16_attention(shape, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bflo
     values)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from .throughput import PreallocatedCache
+    from .baselines import PreallocatedCache
 
     batch, length = shape
     q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
@@ -554,8 +554,8 @@ def merge_runs(earlier: dict, run: dict, command: str) -> dict:
 
 def _caches(spec: str) -> list[str]:
     """Cache kinds from a comma list; ValueError naming the choices for one that is neither a
-    baseline nor a method (optionally "@engine": `throughput.preset_kind`)."""
-    from .throughput import BASELINES, preset_kind
+    baseline nor a method (optionally "@engine": `baselines.preset_kind`)."""
+    from .baselines import BASELINES, preset_kind
 
     kinds = [c.strip() for c in spec.split(",") if c.strip()]
     for kind in kinds:
