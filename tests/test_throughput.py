@@ -202,7 +202,7 @@ def _run_file(caches, points, command=None):
 
 
 def test_merged_runs_replace_the_caches_measured_again_and_name_both_commands():
-    from kitty_core.bench import merge_runs, same_setup
+    from kitty_core.results import merge_runs, same_setup
 
     first = _run_file(["dynamic", "kitty", "kitty-pro"], [("dynamic", 96), ("kitty", 576), ("kitty-pro", 64)], "cmd 1")
     second = _run_file(["kitty-pro"], [("kitty-pro", 544)])
@@ -218,7 +218,7 @@ def test_merged_runs_replace_the_caches_measured_again_and_name_both_commands():
 def test_real_generations_compare_max_batches_of_the_same_length():
     import pandas as pd
 
-    from kitty_core.bench import real_table
+    from kitty_core.results import real_table
 
     def check(cache, batch, generate, seconds):
         return {"cache": cache, "batch": batch, "prompt": 512, "generate": generate, "measured_s": seconds,
