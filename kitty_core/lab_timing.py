@@ -1,7 +1,9 @@
-"""The whole lab headless, timed: every page through Streamlit's AppTest in one process, on the device
-the sidebar picks ("auto": the GPU where there is one), then every button that runs a live
-computation. Where the browser timing (`bench app`) needs chromium, this needs only streamlit, so it
-runs on a GPU machine without a display."""
+"""The lab's pages, timed (what `bench app` runs), two ways. In chromium (`time_app`): a freshly
+started lab served and driven as a user does, page after page through the sidebar, the first visit
+and later ones. Headless (`time_lab`): every page through Streamlit's AppTest in one process, on the
+device the sidebar picks ("auto": the GPU where there is one), then every button that runs a live
+computation; where the browser timing needs chromium, this needs only streamlit, so it runs on a
+GPU machine without a display."""
 
 from __future__ import annotations
 
@@ -55,4 +57,35 @@ def time_lab(live: bool = True, timeout_s: float = 1800, progress=None) -> pd.Da
         for n, i in enumerate(live_buttons):
             label = at.button[i].label + (f" ({n + 1})" if len(live_buttons) > 1 else "")
             timed(page, f"'{label}'", at, lambda i=i: at.button[i].click().run())
+    return pd.DataFrame(rows)
+
+
+def time_app(chromium: str, log: Path, visits: int = 2, progress=None) -> pd.DataFrame:
+    """Seconds from opening each page of a freshly started lab (demo model) until its script has
+    finished, in one tab, moving through the sidebar's navigation as a user does, visit after visit:
+    the first visit pays for loading the model and the page's analyses, later ones find them in
+    Streamlit's caches."""
+    from playwright.sync_api import sync_playwright
+
+    from .browser import PAGES, serve_app, settle
+
+    rows = []
+    with serve_app(log) as url, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        for visit in range(1, visits + 1):
+            for path, title in PAGES:
+                if progress:
+                    progress(len(rows), visits * len(PAGES), f"visit {visit}: {title}")
+                start = time.time()
+                if visit == 1 and not path:
+                    page.goto(url)
+                else:
+                    page.locator('[data-testid="stSidebarNav"] a', has_text=title).first.click()
+                page.wait_for_url(f"{url}/{path}", timeout=60_000)
+                page.wait_for_selector(".js-plotly-plot", timeout=300_000)
+                done = settle(page, timeout_s=300, quiet_s=0.5)
+                rows.append({"page": title, "visit": visit, "seconds": done - start})
+                print(f"visit {visit} {title}: {done - start:.1f} s", flush=True)
+        browser.close()
     return pd.DataFrame(rows)

@@ -1,12 +1,22 @@
-"""Saved result files, read and checked in one place: the lab's pages and the command lines that
-add to a file read them through these functions, which check that a file holds what its kind needs
-before anything uses it. A file that does not raises `ResultFileError`, naming the file and what is
-wrong; the pages skip it with a warning.
+"""Saved result files, one format per kind, written and read in one place. The command lines build
+what they write through these functions (`e2e_result`, `kernel_result`, `stamp`); the lab's pages,
+and the commands that add to a file, read it back through `read_*`, which check that a file holds
+what its kind needs before anything uses it. A file that does not raises `ResultFileError`, naming
+the file and what is wrong; the pages skip it with a warning.
 
-    e2e_*.json        `bench e2e --out`: {settings: {model, device, dtype, caches, ...}, points: [...]}
-    kernels_*.json    `bench kernels --out x.json`: {settings: {device}, results: [{batch, length, ...}]}
+    e2e_*.json        `bench e2e --out`: {settings: {model, shape, device, gpu, dtype, torch, transformers,
+                      prompt, generate, budget_gib, points, steps, decode, caches, fused, launch,
+                      alloc_conf, sharding (only for a model split over GPUs), runs}, points: [...],
+                      probes: [...], skipped: [...], validation: [...], summary: [...]}
+    kernels_*.json    `bench kernels --out x.json`: {settings: {device, torch, launch}, results: [{batch, length, ...}]}
     accuracy / rules  `evaluate --json` (and the boost sweep): {settings, results: [{method, kl, ...}]}
     passkey_*.csv     `passkey --csv`: method, length, depth, correct
+
+An e2e file may hold the caches of several commands of the same setup (`SETUP`): `bench e2e
+--merge` replaces the caches it measured again and keeps the others (`merge_runs`), and
+`settings.runs` names each command and what it measured. Its `summary` is `e2e_table` of its
+points, written so that a reader without pandas (docs/figures/memory_throughput.py) can draw it;
+`e2e_table` and `real_table` are also what the CLI prints and the Memory page shows.
 
 A JSON result file carries `format_version` (`stamp` adds it as a command writes the file): a reader
 refuses a file of a later format, which this version would misread, by name and with what to do. A
@@ -28,9 +38,12 @@ class ResultFileError(ValueError):
     """A result file that cannot be used; the message names it and says why."""
 
 
-E2E_SETTINGS = ("model", "prompt", "generate", "caches")
+E2E_SETTINGS = ("model", "prompt", "generate", "caches")  # what every reader of an e2e file needs
+# the settings two e2e runs must share for one file to hold both (`same_setup`, `bench e2e --merge`)
+SETUP = ("model", "shape", "gpu", "dtype", "torch", "transformers", "prompt", "generate", "budget_gib", "points",
+         "steps", "decode", "fused", "alloc_conf", "sharding")
 E2E_POINTS = ("cache", "batch")
-E2E_TIMED = ("at", "max_batch")  # the columns of points that were timed (`tokens_per_s`), as `bench.e2e_table` reads
+E2E_TIMED = ("at", "max_batch")  # the columns of points that were timed (`tokens_per_s`), as `e2e_table` reads
 KERNEL_COLUMNS = ("batch", "length", "boost_rate", "fused_ms", "unfused_ms", "sdpa_fp16_ms")
 ACCURACY_COLUMNS = ("method", "kl", "perplexity", "top1", "bits_per_element")
 PASSKEY_COLUMNS = ("method", "length", "depth", "correct")
@@ -52,6 +65,104 @@ def check_version(found: dict, name: str) -> None:
     if version > FORMAT_VERSION:
         raise ResultFileError(f"{name} is of result format {version}, newer than this version reads "
                               f"({FORMAT_VERSION}): update kitty-lab, or run the command that wrote it again")
+
+
+def e2e_result(settings: dict, points: list[dict], probes: list[dict], skipped: list[dict],
+               validation: list[dict], earlier: dict | None = None, command: str | None = None) -> dict:
+    """An e2e result object as `bench e2e --out` writes it, format version first: this command's
+    settings and rows, merged into `earlier` (a file of the same setup, `merge_runs`) when given, and
+    the summary table of its points."""
+    run = {"settings": settings, "points": points, "probes": probes, "skipped": skipped, "validation": validation}
+    run = merge_runs(earlier, run, command) if earlier else run
+    run["summary"] = e2e_table(pd.DataFrame(run["points"])).to_dict(orient="records")
+    return stamp(run)
+
+
+def same_setup(a: dict, b: dict) -> bool:
+    """Two e2e runs measured the same thing (model, GPU, versions, lengths, budget, points and steps
+    timed, decoding)."""
+    return all(a.get(k, False) == b.get(k, False) for k in SETUP)  # runs from before fusion: False
+
+
+def merge_runs(earlier: dict, run: dict, command: str) -> dict:
+    """An e2e result file with `run` added to `earlier`: the caches `run` measured replace their rows
+    in `earlier`, the others stay; settings list the commands and what each measured."""
+    mine = set(run["settings"]["caches"])
+    keep = lambda rows: [r for r in rows if r["cache"] not in mine]  # noqa: E731
+    settings = dict(run["settings"])
+    before = earlier["settings"].get("runs") or [{"command": None, "caches": earlier["settings"]["caches"]}]
+    # a command stays listed while a cache it measured does, or if it measured none (it validated)
+    runs = [dict(r, caches=[c for c in r["caches"] if c not in mine]) for r in before]
+    runs = [r for r, was in zip(runs, before) if r["caches"] or not was["caches"]]
+    settings["runs"] = runs + [{"command": command, "caches": run["settings"]["caches"]}]
+    settings["caches"] = [c for r in settings["runs"] for c in r["caches"]]
+    return {"settings": settings, "points": keep(earlier["points"]) + run["points"],
+            "probes": keep(earlier["probes"]) + run["probes"], "skipped": keep(earlier["skipped"]) + run["skipped"],
+            "validation": keep(earlier.get("validation", [])) + run["validation"]}
+
+
+def kernel_result(settings: dict, results: pd.DataFrame) -> dict:
+    """A kernel benchmark's result object as `bench kernels --out x.json` writes it: its settings
+    (device, torch, the fused kernel's launch settings) and one record per timed setting."""
+    return stamp({"settings": settings, "results": results.to_dict(orient="records")})
+
+
+def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
+    """Per cache: max batch, peak memory, throughput at max and at equal batch, and ratios against
+    the transformers caches and the same-runtime FP16 baseline."""
+    if "tokens_per_s" not in points:
+        return pd.DataFrame()
+    ok = points[points["tokens_per_s"].notna()]
+    rows = []
+    for cache, g in ok.groupby("cache", sort=False):
+        at_max, at_eq = g[g["at"] == "max batch"], g[g["at"] == "equal batch"]
+        rows.append({
+            "cache": cache, "max_batch": int(g["max_batch"].iloc[0]),
+            "peak_GiB": float(at_max["peak_bytes"].iloc[0]) / 2**30 if len(at_max) and at_max["peak_bytes"].notna().all() else None,
+            "kv_bytes_per_token": float(at_max["kv_bytes_per_token"].iloc[0]) if len(at_max) else None,
+            "tokens_per_s_max_batch": float(at_max["tokens_per_s"].iloc[0]) if len(at_max) else None,
+            # a step that packs pages, beyond one that does not (presets; once every G steps)
+            "packing_ms_max_batch": float(at_max["packing_ms"].iloc[0])
+            if len(at_max) and "packing_ms" in at_max and at_max["packing_ms"].notna().all() else None,
+            # the batch that throughput was measured at: below the max batch if the prefill needed room
+            "measured_at_batch": int(at_max["batch"].iloc[0]) if len(at_max) else None,
+            "equal_batch": int(at_eq["batch"].iloc[0]) if len(at_eq) else (int(at_max["batch"].iloc[0]) if len(at_max) else None),
+            "tokens_per_s_equal_batch": float(at_eq["tokens_per_s"].iloc[0]) if len(at_eq) else (
+                float(at_max["tokens_per_s"].iloc[0]) if len(at_max) else None),
+        })
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table
+    t = table.set_index("cache")
+    for ref in ("dynamic", "static", "static-compiled", "fp16-prealloc"):
+        if ref in t.index:
+            t[f"batch_vs_{ref}"] = t["max_batch"] / t.loc[ref, "max_batch"]
+            t[f"tput_vs_{ref}"] = t["tokens_per_s_max_batch"] / t.loc[ref, "tokens_per_s_max_batch"]
+            t[f"equal_batch_vs_{ref}"] = t["tokens_per_s_equal_batch"] / t.loc[ref, "tokens_per_s_equal_batch"]
+    return t.reset_index()
+
+
+def real_table(checks: list[dict], points: pd.DataFrame) -> pd.DataFrame:
+    """Real generations (`e2e --validate`), one row each: the time, the tokens per second (every
+    sequence's generated tokens over the whole run, prefill included), the estimate's error and, on
+    a GPU, the mean SM clock and power meanwhile (`telemetry`). A
+    generation at its cache's max batch (from `points`) is compared with each baseline's real
+    generation of the same length at the baseline's max batch: the throughput target measured
+    instead of estimated."""
+    if not checks:
+        return pd.DataFrame()
+    rows = pd.DataFrame(checks)
+    rows["tokens_per_s"] = rows["batch"] * rows["generate"] / rows["measured_s"]
+    best = points.groupby("cache")["max_batch"].first() if "max_batch" in points else pd.Series(dtype=int)
+    rows["at_max_batch"] = [best.get(c) == b for c, b in zip(rows["cache"], rows["batch"])]
+    for ref in ("dynamic", "static", "static-compiled", "fp16-prealloc"):
+        base = rows[(rows["cache"] == ref) & rows["at_max_batch"]].groupby("generate")["tokens_per_s"].last()
+        if len(base):
+            rows[f"tput_vs_{ref}"] = [tps / base[g] if at and g in base else None
+                                      for tps, g, at in zip(rows["tokens_per_s"], rows["generate"], rows["at_max_batch"])]
+    shown = ["cache", "batch", "at_max_batch", "prompt", "generate", "prefill_chunk", "measured_s", "tokens_per_s",
+             "estimated_s", "estimate_error", "sm_clock_mhz", "power_w"]
+    return rows[[c for c in shown if c in rows] + [c for c in rows if c.startswith("tput_vs_")]]
 
 
 def _json(path: Path) -> dict:

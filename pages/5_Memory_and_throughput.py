@@ -7,9 +7,9 @@ import streamlit as st
 
 from kitty_app import DATA, Progress, gpu_turn, sidebar
 from kitty_core import PRESETS
-from kitty_core.bench import e2e_table, real_table
-from kitty_core.results import ResultFileError, read_e2e, read_kernels
-from kitty_core.throughput import BASELINES, sweep
+from kitty_core.baselines import BASELINES
+from kitty_core.results import ResultFileError, e2e_table, read_e2e, read_kernels, real_table
+from kitty_core.throughput import sweep
 
 frame = sidebar()
 st.title("Memory & throughput")

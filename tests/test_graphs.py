@@ -9,8 +9,8 @@ import torch
 
 from conftest import tiny_model
 from kitty_core import KittyCache
+from kitty_core.baselines import make_cache
 from kitty_core.graphs import CompiledDecoder, GraphedDecoder
-from kitty_core.throughput import make_cache
 
 PROMPT = 40
 SMALL_KITTY = "kitty-pro+sink=4+group_size=16+local_window=16"  # interpreter-sized pages

@@ -41,7 +41,7 @@ def test_fp16_baseline_decodes_as_transformers_does():
     from transformers import DynamicCache
 
     from conftest import tiny_model
-    from kitty_core.throughput import forward, make_cache
+    from kitty_core.baselines import forward, make_cache
 
     model = tiny_model("qwen3")
     ids = torch.randint(3, 256, (2, 12))
@@ -125,7 +125,7 @@ def test_compiled_static_cache_decodes_through_the_compiled_call():
     from transformers import CompileConfig, DynamicCache
 
     from conftest import tiny_model
-    from kitty_core.throughput import CompiledStaticCache, forward, release_compiled
+    from kitty_core.baselines import CompiledStaticCache, forward, release_compiled
 
     graphs = []
 
@@ -161,7 +161,7 @@ def test_out_of_memory_in_the_compiled_decode_drops_the_compiled_call():
     from transformers import CompileConfig, DynamicCache
 
     from conftest import tiny_model
-    from kitty_core.throughput import CompiledStaticCache, forward
+    from kitty_core.baselines import CompiledStaticCache, forward
 
     calls = {"n": 0}
 
@@ -202,7 +202,7 @@ def _run_file(caches, points, command=None):
 
 
 def test_merged_runs_replace_the_caches_measured_again_and_name_both_commands():
-    from kitty_core.bench import merge_runs, same_setup
+    from kitty_core.results import merge_runs, same_setup
 
     first = _run_file(["dynamic", "kitty", "kitty-pro"], [("dynamic", 96), ("kitty", 576), ("kitty-pro", 64)], "cmd 1")
     second = _run_file(["kitty-pro"], [("kitty-pro", 544)])
@@ -218,7 +218,7 @@ def test_merged_runs_replace_the_caches_measured_again_and_name_both_commands():
 def test_real_generations_compare_max_batches_of_the_same_length():
     import pandas as pd
 
-    from kitty_core.bench import real_table
+    from kitty_core.results import real_table
 
     def check(cache, batch, generate, seconds):
         return {"cache": cache, "batch": batch, "prompt": 512, "generate": generate, "measured_s": seconds,
@@ -300,13 +300,13 @@ def test_a_compiled_decode_that_cannot_be_built_is_skipped_not_fatal(monkeypatch
     from transformers import CompileConfig
 
     from conftest import tiny_model
-    from kitty_core import throughput
+    from kitty_core import baselines, throughput
 
     def broken(gm, example_inputs):
         raise RuntimeError("no C++ compiler for the backend")
 
-    init = throughput.CompiledStaticCache.__init__
-    monkeypatch.setattr(throughput.CompiledStaticCache, "__init__",
+    init = baselines.CompiledStaticCache.__init__
+    monkeypatch.setattr(baselines.CompiledStaticCache, "__init__",
                         lambda self, model, n: init(self, model, n, CompileConfig(backend=broken, mode=None)))
     model = tiny_model("qwen3")
     rows = list(throughput.sweep(model, ["static-compiled", "dynamic"], 8, 8, budget_bytes=1 << 16, points=2, limit=2))
@@ -320,8 +320,8 @@ def test_a_preset_kind_may_name_its_engine():
     """"kitty-pro@triton+key_dots=fp16" times one engine setting beside another in one sweep: the
     cache gets that engine, the timed lengths are the preset's, a wrong engine is refused up front."""
     from conftest import tiny_model
+    from kitty_core.baselines import make_cache
     from kitty_core.bench import _caches
-    from kitty_core.throughput import make_cache
 
     model = tiny_model("llama")
     cache = make_cache("kitty-pro@triton+key_dots=fp16", model, 64)
@@ -343,7 +343,8 @@ def test_packing_steps_are_where_the_cache_packs(kind):
     import torch
 
     from conftest import tiny_model
-    from kitty_core.throughput import forward, make_cache, pack_steps
+    from kitty_core.baselines import forward, make_cache
+    from kitty_core.throughput import pack_steps
 
     model = tiny_model("llama")
     cache = make_cache(kind, model, 128)
@@ -366,10 +367,10 @@ def test_measure_times_the_prefill_warm(monkeypatch):
     second one into a fresh cache, which is the cache it goes on to decode. A clock that reads 9 s
     for a prefill that holds the process's first forward and 1 s otherwise tells which was timed."""
     from conftest import tiny_model
-    from kitty_core import throughput
+    from kitty_core import baselines, throughput
 
     calls = []
-    forward = throughput.forward
+    forward = baselines.forward
 
     def recording_forward(model, cache, ids):
         calls.append((cache, ids.shape[1]))
@@ -380,7 +381,8 @@ def test_measure_times_the_prefill_warm(monkeypatch):
         fn()
         return 9.0 if before == 0 else 1.0
 
-    monkeypatch.setattr(throughput, "forward", recording_forward)
+    for module in (throughput, baselines):  # the prefill's forwards, and the decode steps' (`decode_step`)
+        monkeypatch.setattr(module, "forward", recording_forward)
     monkeypatch.setattr(throughput, "_timed", clock)
     row = throughput.measure(tiny_model("llama"), "kitty-pro+group_size=16+local_window=16", 2, 40, 60, points=2,
                              prefill_chunk=16)
@@ -435,10 +437,10 @@ def test_validate_prefills_in_the_chunks_the_estimate_could_fit(monkeypatch):
     import torch
 
     from conftest import tiny_model
-    from kitty_core import throughput
+    from kitty_core import baselines, throughput
 
     model = tiny_model("llama")
-    real_measure, real_forward = throughput.measure, throughput.forward
+    real_measure, real_forward = throughput.measure, baselines.forward
     tried, widths = [], []
 
     def measure(*args, prefill_chunk, **kwargs):
@@ -452,7 +454,8 @@ def test_validate_prefills_in_the_chunks_the_estimate_could_fit(monkeypatch):
         return real_forward(model, cache, ids)
 
     monkeypatch.setattr(throughput, "measure", measure)
-    monkeypatch.setattr(throughput, "forward", forward)
+    for module in (throughput, baselines):  # the prefill's forwards, and the decode steps' (`decode_step`)
+        monkeypatch.setattr(module, "forward", forward)
     row = throughput.validate(model, "fp16-prealloc", 2, 256, 8, points=2)
     assert tried == [512, 128]
     assert row["prefill_chunk"] == 128 and row["decode"] == "eager"

@@ -1,0 +1,317 @@
+"""Decode attention alone on one GPU, timed (what `bench kernels` runs): the fused page kernel on a
+layer of packed pages against the unfused qk -> softmax -> sv path and SDPA on an FP16 cache of the
+same shape, with the bandwidth each implies next to a device-to-device copy; and the variants that
+chose the kernel's design: its launch settings (`sweep_launch`), how codes are unpacked
+(`unpack_modes`), the CUDA page kernel (`bench_cuda`), each SDPA backend on FP16 (`fp16_attention`)
+and packing against decoding (`pack_cost`).
+
+Every figure is measured in one process against a baseline of the same shape: GPU time of
+CUDA-graph replays (`graphed`, so that Triton's per-launch host cost does not count), the median of
+a run of calls (`cuda_time`). The layers are synthetic (`synthetic_layer`): random keys with uneven
+channel scales, the state a decode step attends over. Qwen3-8B attention shapes by default (32
+query heads, 8 KV heads, head size 128, bf16).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from .layer import KittyLayer
+from .reference_engine import ReferenceEngine
+from .config import parse_method
+
+
+def cuda_time(fn, warmup: int = 3, iters: int = 20) -> float:
+    """Median milliseconds of fn() on the current CUDA stream."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph: replaying it costs the GPU work alone, without the host's
+    per-launch cost (Triton's Python launcher takes ~50 us a kernel, more than a small call runs)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = cuda_time(lambda: y.copy_(x))
+    return 2 * nbytes / (ms / 1e3)
+
+
+def synthetic_layer(method: str, batch: int, length: int, kv_heads: int, head_dim: int, dtype) -> KittyLayer:
+    """A layer holding `length` tokens per sequence (random keys with uneven channel scales), the
+    last one stored in FP16 and not yet packed: the state a decode step attends over."""
+    layer = KittyLayer(parse_method(method), ReferenceEngine())
+    empty = torch.zeros(batch, kv_heads, 0, head_dim, device="cuda", dtype=dtype)
+    layer.lazy_initialization(empty, empty)
+    spread = torch.linspace(0.2, 4.0, head_dim, device="cuda", dtype=dtype)
+    for s in range(0, length - 1, 8192):  # prefill in chunks to bound the temporary FP16 tensors
+        n = min(8192, length - 1 - s)
+        k = torch.randn(batch, kv_heads, n, head_dim, device="cuda", dtype=dtype) * spread
+        layer.insert(k, torch.randn_like(k))
+    k = torch.randn(batch, kv_heads, 1, head_dim, device="cuda", dtype=dtype) * spread
+    layer.insert(k, torch.randn_like(k), pack=False)
+    return layer
+
+
+def launch_defaults() -> dict:
+    """The fused kernel's launch settings a default call uses (recorded beside its timings)."""
+    import inspect
+
+    from kernels.decode import DEEP, DEEP_WAVES, INT8_KEY_DOTS_FROM, REGISTER_CAP, combine_warps, decode_attention
+
+    params = inspect.signature(decode_attention).parameters
+    return {"num_warps": params["num_warps"].default, "num_stages": 2, "register_cap_by_query_rows": REGISTER_CAP,
+            "pages_per_program": "up to 16, by occupancy",
+            "deep_grids": {"min_waves": DEEP_WAVES, "stages_and_cap_by_query_rows": DEEP, "pages_per_program": "up to 32"},
+            "tail_kernel": "on a second stream, beside the page kernel",
+            "combine_warps_by_partials": {c: combine_warps(c) for c in (8, 16, 32, 64)},
+            "key_dots": f"int8 from head size {INT8_KEY_DOTS_FROM}, fp16 below"}
+
+
+def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                  key_dots=(None,), progress=None) -> pd.DataFrame:
+    """Per shape, boost rate and page-kernel key dots (None: the default): the fused kernel, the
+    unfused qk -> softmax -> sv path and SDPA on an FP16 cache of the same shape, timed in this
+    process as CUDA-graph replays (GPU time; `*_eager_ms`: plain calls, host launch cost included);
+    bytes the fused kernel must read; the fused output's largest difference from
+    `decode_attention_reference`."""
+    from kernels.decode import decode_attention, decode_attention_reference, key_dots_of
+    from kernels.decode_unfused import decode_attention_unfused
+
+    bw_copy = copy_bandwidth()
+    rows = []
+    for batch, length in shapes:
+        q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+        k16 = torch.randn(batch, kv_heads, length, head_dim, device="cuda", dtype=dtype)
+        v16 = torch.randn_like(k16)
+        scale = head_dim**-0.5
+        sdpa = lambda: F.scaled_dot_product_attention(q, k16, v16, scale=scale, enable_gqa=True)  # noqa: E731
+        sdpa_ms, sdpa_eager_ms = cuda_time(graphed(sdpa)), cuda_time(sdpa)
+        sdpa_bytes = 2 * k16.numel() * k16.element_size()
+        del k16, v16, sdpa
+        for boost in boosts:
+            if progress:
+                progress(len(rows) // len(key_dots), len(shapes) * len(boosts), f"{batch}x{length}, boost {boost:g}")
+            layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
+            state = layer.kernel_state()
+            unfused = lambda: decode_attention_unfused(layer, q, scale, state)  # noqa: E731
+            unfused_ms = cuda_time(graphed(unfused))
+            ref = decode_attention_reference(layer, q, scale).float()
+            parts = layer.nbytes()
+            read = sum(parts.values()) + q.numel() * q.element_size()
+            for dots in key_dots:
+                ws = {}
+                fused = lambda: decode_attention(layer, q, scale, ws, state, key_dots=dots)  # noqa: E731
+                err = (fused().float() - ref).abs().max().item()
+                fused_ms, fused_eager_ms = cuda_time(graphed(fused)), cuda_time(fused)
+                rows.append({
+                    "batch": batch, "length": length, "boost_rate": boost, "key_dots": key_dots_of(dots, head_dim),
+                    "fused_ms": fused_ms, "unfused_ms": unfused_ms, "sdpa_fp16_ms": sdpa_ms,
+                    "fused_vs_sdpa": sdpa_ms / fused_ms, "fused_vs_unfused": unfused_ms / fused_ms,
+                    "fused_eager_ms": fused_eager_ms, "sdpa_eager_ms": sdpa_eager_ms,
+                    "fused_bytes": read, "fused_TBps": read / fused_ms / 1e9, "sdpa_TBps": sdpa_bytes / sdpa_ms / 1e9,
+                    "copy_TBps": bw_copy / 1e12, "fused_max_abs_err": err,
+                })
+                print(pd.DataFrame(rows[-1:]).to_string(index=False, header=len(rows) == 1,
+                                                        float_format=lambda x: f"{x:.3f}"), flush=True)
+                del ws, fused
+            del layer, state, unfused, ref
+            torch.cuda.empty_cache()
+    return pd.DataFrame(rows)
+
+
+def bench_cuda(shapes, boosts, pages_per_program=(None,), q_heads=32, kv_heads=8, head_dim=128,
+               dtype=torch.bfloat16, rounds=5, progress=None) -> pd.DataFrame:
+    """Per shape and boost rate: the fused step with the CUDA page kernel (`kernels.cuda_decode`, per
+    pages-per-program setting), the Triton fused step and SDPA on an FP16 cache forced to cuDNN, as
+    CUDA-graph replays timed in `rounds` interleaved rounds (the median of the rounds' medians); the
+    packed bytes each step reads and both outputs' largest difference from the reference."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels import cuda_decode
+    from kernels.decode import decode_attention, decode_attention_reference
+
+    rows = []
+    for batch, length in shapes:
+        q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+        k16 = torch.randn(batch, kv_heads, length, head_dim, device="cuda", dtype=dtype)
+        v16 = torch.randn_like(k16)
+        scale = head_dim**-0.5
+
+        def cudnn():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(q, k16, v16, scale=scale, enable_gqa=True)
+
+        cudnn_g = graphed(cudnn)
+        for boost in boosts:
+            if progress:
+                progress(len(rows), len(shapes) * len(boosts), f"{batch}x{length}, boost {boost:g}")
+            layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
+            state = layer.kernel_state()
+            why = cuda_decode.unsupported(head_dim, layer.config.group_size, layer.n_boost, layer.config.value_bits,
+                                          q_heads // kv_heads, dtype, q.device) or cuda_decode.build(layer.n_boost)
+            if why:
+                raise RuntimeError(f"the CUDA page kernel does not apply: {why}")
+            ref = decode_attention_reference(layer, q, scale).float()
+            ws_t = {}
+            triton = lambda: decode_attention(layer, q, scale, ws_t, state)  # noqa: E731
+            err_t = (triton().float() - ref).abs().max().item()
+            fns = {"triton": graphed(triton), "cudnn": cudnn_g}
+            errs = {}
+            for ppp in pages_per_program:
+                ws = {}
+                fn = lambda ws=ws, ppp=ppp: cuda_decode.decode_attention(layer, q, scale, ws, state, ppp)  # noqa: E731
+                errs[ppp] = (fn().float() - ref).abs().max().item()
+                fns[ppp] = graphed(fn)
+            times = {name: [] for name in fns}
+            for _ in range(rounds):
+                for name, g in fns.items():
+                    times[name].append(cuda_time(g, warmup=2, iters=20))
+            ms = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+            read = sum(layer.nbytes().values()) + q.numel() * q.element_size()
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            for ppp in pages_per_program:
+                rows.append({
+                    "batch": batch, "length": length, "boost_rate": boost,
+                    "ppp": ppp or cuda_decode.launch_plan(batch * kv_heads, state["max_slots"], sms),
+                    "cuda_ms": ms[ppp], "triton_ms": ms["triton"], "cudnn_ms": ms["cudnn"],
+                    "cuda_vs_cudnn": ms["cudnn"] / ms[ppp], "triton_vs_cudnn": ms["cudnn"] / ms["triton"],
+                    "cuda_vs_triton": ms["triton"] / ms[ppp], "packed_bytes": read,
+                    "cuda_TBps": read / ms[ppp] / 1e9, "triton_TBps": read / ms["triton"] / 1e9,
+                    "cudnn_TBps": 2 * k16.numel() * k16.element_size() / ms["cudnn"] / 1e9,
+                    "cuda_max_abs_err": errs[ppp], "triton_max_abs_err": err_t,
+                })
+                print(pd.DataFrame(rows[-1:]).to_string(index=False, header=len(rows) == 1,
+                                                        float_format=lambda x: f"{x:.3f}"), flush=True)
+            del layer, state, fns, ref, triton
+            torch.cuda.empty_cache()
+        del k16, v16, cudnn_g
+    return pd.DataFrame(rows)
+
+
+def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
+    """Fused kernel GPU time over launch settings (pages per program, warps, stages, register cap)."""
+    from kernels.decode import decode_attention
+
+    batch, length = shape
+    layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
+    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+    state, rows = layer.kernel_state(), []
+    for ppp in (16, 32):
+        for warps in (2, 4):
+            for stages in (2, 3):
+                for regs in (None, 128, 160):
+                    ws = {}
+                    ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state, ppp, warps, stages,
+                                                                    max_registers=regs)), iters=10)
+                    rows.append({"batch": batch, "length": length, "ppp": ppp, "warps": warps, "stages": stages,
+                                 "max_registers": regs or "-", "ms": ms})
+    return pd.DataFrame(rows).sort_values("ms")
+
+
+def fp16_attention(shape, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
+    """FP16 decode attention, one shape, on each SDPA backend that runs it, and as the FP16 baseline's
+    captured decode step runs it (cuDNN over a window of up to `PreallocatedCache.WINDOW` slots more,
+    masked); GPU time of CUDA-graph replays, and the bandwidth each implies (of the used keys and
+    values)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from .baselines import PreallocatedCache
+
+    batch, length = shape
+    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(batch, kv_heads, length, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    nbytes, scale, rows = 2 * k.numel() * k.element_size(), head_dim**-0.5, []
+
+    def sdpa_on(backend):
+        def run():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+        return run
+
+    variants = [(f"SDPA, {b.name.lower()} backend", sdpa_on(b)) for b in
+                (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)]
+    w = PreallocatedCache.WINDOW  # as the FP16 baseline's step after `length` tokens reads them (the most unused)
+    window = -(-length // w) * w + w
+    kw = torch.cat([k, torch.zeros_like(k[:, :, : window - length])], 2)
+    vw = torch.cat([v, torch.zeros_like(v[:, :, : window - length])], 2)
+    used = (torch.arange(window, device="cuda") < length)[None, None, None]
+
+    def masked():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, kw, vw, attn_mask=used, scale=scale, enable_gqa=True)
+
+    variants.append((f"SDPA, cudnn_attention backend, {window}-slot window, masked", masked))
+    for what, fn in variants:
+        try:
+            ms = cuda_time(graphed(fn))
+        except RuntimeError as err:  # a backend that does not take this call here
+            rows.append({"batch": batch, "length": length, "attention": what, "ms": None,
+                         "note": str(err).splitlines()[0][:80]})
+            continue
+        rows.append({"batch": batch, "length": length, "attention": what, "ms": ms, "TBps": nbytes / ms / 1e9})
+    return pd.DataFrame(rows)
+
+
+def pack_cost(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> dict:
+    """Packing against decoding, one shape: a page fills every G decode steps, when each sequence
+    packs G tokens of keys and values per layer. Share = pack / (G x fused decode step + pack)."""
+    from kernels import pack
+    from kernels.decode import decode_attention
+    from .quant import quantize_keys, quantize_values
+
+    batch, length = shape
+    layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
+    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+    state, ws, g = layer.kernel_state(), {}, layer.config.group_size
+    fused_ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state)))
+    x = torch.randn(batch, kv_heads, g, head_dim, device="cuda", dtype=dtype) * torch.linspace(
+        0.2, 4.0, head_dim, device="cuda", dtype=dtype)
+    nb = layer.n_boost
+    triton_ms = cuda_time(graphed(lambda: (pack.quantize_keys(x, nb), pack.quantize_values(x, 2))))
+    torch_ms = cuda_time(lambda: (quantize_keys(x, nb), quantize_values(x, 2)))
+    return {"batch": batch, "length": length, "boost_rate": boost, "fused_ms": fused_ms,
+            "pack_triton_ms": triton_ms, "pack_torch_ms": torch_ms,
+            "pack_share": triton_ms / (g * fused_ms + triton_ms), "pack_share_torch": torch_ms / (g * fused_ms + torch_ms)}
+
+
+def unpack_modes(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                 **launch) -> pd.DataFrame:
+    """The fused kernel's GPU time by how codes become operands, one shape: four at a time in PTX,
+    element by element, and (in the tail) by int -> fp16 conversions (`decode_attention(unpack=...)`)."""
+    from kernels.decode import decode_attention
+
+    batch, length = shape
+    layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
+    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+    state, rows = layer.kernel_state(), []
+    read = sum(layer.nbytes().values())
+    variants = [("full kernel, PTX unpack", {}), ("full kernel, per-element unpack", {"unpack": "bits"}),
+                ("full kernel, int->fp16 conversions in the tail (pages: per element)", {"unpack": "convert"})]
+    for what, kw in variants:
+        ws = {}
+        ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state, **kw, **launch)))
+        rows.append({"batch": batch, "length": length, "variant": what, "ms": ms, "TBps_of_cache": read / ms / 1e9})
+    return pd.DataFrame(rows)
+
