@@ -88,14 +88,19 @@ def against_fp16(rows: list[dict]):
 def run(lm, methods, tasks, lengths=(1024, 2048, 4096, 8192), samples: int = 50, seed: int = 0,
         limit: int | None = None, engine: str | None = None, batch_size=1, score_chunk: int = 128,
         num_fewshot: int | None = None, apply_chat_template: bool = False, tasks_dir: Path | None = None,
-        gen_kwargs: str | None = None, progress=None):
-    """Every method (FP16 first) on every task; a DataFrame of `COLUMNS`. `lm` is a LoadedModel."""
+        gen_kwargs: str | None = None, progress=None, done: list[dict] = (), save=None):
+    """Every method (FP16 first) on every task; a DataFrame of `COLUMNS`. `lm` is a LoadedModel.
+
+    `done` holds rows measured before (a resumed run): their methods are not run again. `save`, if
+    given, is called with the DataFrame so far after each method, so that an interrupted run keeps
+    every method it finished.
+    """
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     from .hf import model_shape
     from .lm_eval_model import KittyLM
-    from .lm_eval_tasks import MAX_GEN, write_suite
+    from .lm_eval_tasks import write_suite
 
     methods = [m for m in dict.fromkeys(["fp16", *methods])]
     for m in methods:
@@ -116,8 +121,11 @@ def run(lm, methods, tasks, lengths=(1024, 2048, 4096, 8192), samples: int = 50,
     if unknown:
         raise ValueError(f"lm-eval knows no task {', '.join(map(repr, unknown))}: see `lm_eval ls tasks`, or name "
                          f"a kind of the long-context suite")
-    rows = []
+    rows = list(done)
+    measured = {r["method"] for r in rows}
     for i, m in enumerate(methods):
+        if m in measured:
+            continue
         if progress:
             progress(i, len(methods), m)
         model = KittyLM(pretrained=lm, method=m, engine=engine, score_chunk=score_chunk, batch_size=batch_size,
@@ -128,6 +136,14 @@ def run(lm, methods, tasks, lengths=(1024, 2048, 4096, 8192), samples: int = 50,
                                       gen_kwargs=gen_kwargs, log_samples=False, random_seed=seed)
         seconds = time.perf_counter() - t0
         rows += [{**r, "seconds": seconds} for r in rows_of(out, m)]
+        if save:
+            save(_table(rows, kinds))
+    return _table(rows, kinds)
+
+
+def _table(rows: list[dict], kinds):
+    from .lm_eval_tasks import MAX_GEN
+
     df = against_fp16(rows)
     df.attrs["max_gen_toks"] = {k: MAX_GEN[k] for k in kinds}
     return df
@@ -190,6 +206,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--tasks-dir", type=Path, default=None, help="where the suite's files go (default: under KITTY_CACHE_DIR)")
     p.add_argument("--out", type=Path, default=Path("data/results/lm_eval.json"), help="the table (JSON)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the methods that --out already holds from a run of the same settings and run only "
+                        "the others (the table is written after each method)")
     a = p.parse_args(argv)
     from .engines import make_engine
     from .models import ModelLoadError, load_model
@@ -204,29 +223,67 @@ def main(argv=None) -> int:
         batch = a.batch_size if a.batch_size.startswith("auto") else int(a.batch_size)
         writable(a.out)
         started = time.time()
+        settings = {"model": a.model, "methods": ["fp16", *[m for m in methods if m != "fp16"]], "tasks": a.tasks,
+                    "lengths": lengths, "samples": a.samples, "limit": a.limit, "seed": a.seed,
+                    "num_fewshot": a.num_fewshot, "apply_chat_template": a.apply_chat_template,
+                    "gen_kwargs": a.gen_kwargs, "batch_size": a.batch_size, "score_chunk": a.score_chunk,
+                    "engine": a.engine or "default"}
+        done, earlier = _resumed(a.out, settings) if a.resume else ([], {})
         lm = load_model(a.model, device=a.device, dtype=a.dtype)
         logging.getLogger("lm_eval").setLevel(logging.WARNING)
+        import lm_eval
+
+        settings.update({"device": str(lm.device), "dtype": str(lm.dtype), "lm_eval": lm_eval.__version__})
+        if done:
+            _same_settings(a.out, earlier, settings, ("device", "dtype", "lm_eval"))
+            settings["methods"] = list(dict.fromkeys([*earlier["methods"], *settings["methods"]]))
+        earlier_minutes = float(earlier.get("minutes") or 0.0)
+
+        def save(df):
+            minutes = round(earlier_minutes + (time.time() - started) / 60, 1)
+            _write(a.out, {**settings, "max_gen_toks": df.attrs.get("max_gen_toks", {}), "minutes": minutes}, df)
+
         df = run(lm, methods, [t.strip() for t in a.tasks.split(",") if t.strip()], lengths, a.samples, a.seed,
                  a.limit, a.engine, batch, a.score_chunk, a.num_fewshot, a.apply_chat_template, a.tasks_dir,
-                 a.gen_kwargs, progress=lambda i, n, s: print(f"[{i + 1}/{n}] {s}", file=sys.stderr, flush=True))
+                 a.gen_kwargs, progress=lambda i, n, s: print(f"[{i + 1}/{n}] {s}", file=sys.stderr, flush=True),
+                 done=done, save=save)
     except (ValueError, ModelLoadError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    import lm_eval
-
+    save(df)
     print(summary(df).to_string(float_format=lambda x: f"{x:.3f}"))
-    settings = {"model": a.model, "methods": ["fp16", *[m for m in methods if m != "fp16"]], "tasks": a.tasks,
-                "lengths": lengths, "samples": a.samples, "limit": a.limit, "seed": a.seed, "num_fewshot": a.num_fewshot,
-                "apply_chat_template": a.apply_chat_template, "gen_kwargs": a.gen_kwargs, "batch_size": a.batch_size, "score_chunk": a.score_chunk,
-                "engine": a.engine or "default", "device": str(lm.device), "dtype": str(lm.dtype),
-                "max_gen_toks": df.attrs.get("max_gen_toks", {}), "lm_eval": lm_eval.__version__,
-                "minutes": round((time.time() - started) / 60, 1)}
-    records = json.loads(df.to_json(orient="records"))
-    from .results import stamp
-
-    write_text(a.out, json.dumps(stamp({"settings": settings, "results": records}), indent=1))
     print(f"wrote {a.out}", file=sys.stderr)
     return 0
+
+
+# settings a resumed run shares with the file it continues (its methods may differ; the device, dtype and
+# lm-eval's version are compared once the model is loaded)
+_RESUME_KEYS = ("model", "tasks", "lengths", "samples", "limit", "seed", "num_fewshot", "apply_chat_template",
+                "gen_kwargs", "score_chunk", "engine")
+
+
+def _resumed(path: Path, settings: dict) -> tuple[list[dict], dict]:
+    """(rows, settings) of the earlier run in `path` that this one continues; none if there is no file."""
+    if not Path(path).exists():
+        return [], {}
+    found, df = read_table(path)
+    _same_settings(path, found, settings, _RESUME_KEYS)
+    return df.drop(columns=["fp16", "diff"]).to_dict(orient="records"), found
+
+
+def _same_settings(path: Path, found: dict, settings: dict, keys) -> None:
+    differ = [k for k in keys if found.get(k) != settings.get(k)]
+    if differ:
+        raise ValueError(f"--resume: {Path(path).name} was written with other settings "
+                         f"({', '.join(f'{k} {found.get(k)!r}, now {settings.get(k)!r}' for k in differ)}); "
+                         f"give another --out, or the same settings")
+
+
+def _write(path: Path, settings: dict, df) -> None:
+    from .results import stamp
+
+    records = json.loads(df.to_json(orient="records"))
+    write_text(path, json.dumps(stamp({"settings": settings, "results": records}), indent=1))
 
 
 def _length(text: str) -> int:

@@ -186,6 +186,23 @@ def test_cli_writes_the_table(demo, tmp_path, capsys):
     assert "kivi-k2v2 - fp16" in summary(df).columns and "kitty_passkey_300" in capsys.readouterr().out
 
 
+def test_cli_resumes_a_run_with_more_methods(demo, tmp_path, capsys):
+    out = tmp_path / "table.json"
+    args = ["--tasks", "passkey", "--lengths", "300", "--samples", "1", "--gen-kwargs", "max_gen_toks=6",
+            "--device", "cpu", "--tasks-dir", str(tmp_path / "tasks"), "--out", str(out)]
+    assert main(["--methods", "fp16", *args]) == 0
+    _, first = read_table(out)
+    assert main(["--methods", "kivi-k2v2", "--resume", *args]) == 0
+    settings, df = read_table(out)
+    assert settings["methods"] == ["fp16", "kivi-k2v2"] and list(df.method) == ["fp16", "kivi-k2v2"]
+    assert df.seconds[0] == first.seconds[0]  # fp16 was kept, not run again
+    assert df["diff"][1] == pytest.approx(df.score[1] - df.score[0])
+    capsys.readouterr()
+    assert main(["--methods", "kitty", "--resume", *args[:-4], "--samples", "2", *args[-4:]]) == 2
+    assert "other settings (samples 1, now 2)" in capsys.readouterr().err
+    assert read_table(out)[1].equals(df)  # the refused run wrote nothing
+
+
 def test_cli_rejects_bad_input(tmp_path, capsys):
     assert main(["--methods", "fp16,kitty+boost_rate=2", "--out", str(tmp_path / "t.json")]) == 2
     assert "boost_rate" in capsys.readouterr().err
