@@ -136,6 +136,7 @@ def channel_costs(sens) -> "torch.Tensor":
 
 
 def main(argv=None) -> int:
+    a = arguments().parse_args(argv)  # before torch loads
     import torch
 
     from .config import parse_method
@@ -143,7 +144,6 @@ def main(argv=None) -> int:
     from .models import ModelLoadError, load_model
     from .probe import capture, sensitivity
 
-    a = arguments().parse_args(argv)
     try:
         config = parse_method(a.method)
         if not config.quantize or config.key_bits != 2:

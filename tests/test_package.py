@@ -17,7 +17,9 @@ from kitty_core.cli import progress_bar
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = {"torch", "transformers", "pandas"}
 COMMANDS = [["kitty_core.evaluate"], ["kitty_core.probe"], ["kitty_core.passkey"], ["kitty_core.bench", "kernels"],
-            ["kitty_core.bench", "e2e"], ["kitty_core.bench", "generate"], ["kitty_core.compile"]]
+            ["kitty_core.bench", "e2e"], ["kitty_core.bench", "generate"], ["kitty_core.compile"],
+            ["kitty_core.calibrate"], ["kitty_core.generate"], ["kitty_core.attribution"], ["kitty_core.lm_eval"],
+            ["kitty_core.lm_eval_tasks"]]
 
 
 def _env() -> dict:
