@@ -89,6 +89,22 @@ def test_the_wheel_holds_both_packages_the_text_and_the_commands(tmp_path):
     assert commands == {getattr(cli, target.split(":")[1]).module for target in scripts.values()}
 
 
+def test_the_pinned_versions_fall_in_the_packages_ranges():
+    """`pip install -c requirements.txt .` (the README's command) installs what requirements.txt pins:
+    every pin of a dependency of the package is inside pyproject.toml's range for it."""
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    ranges = {r.name.lower(): r.specifier for r in map(Requirement, [*project["dependencies"],
+              *(d for extra in project["optional-dependencies"].values() for d in extra)])}
+    pins = dict(line.split("#")[0].strip().lower().split("==") for line in (ROOT / "requirements.txt").read_text()
+                .splitlines() if "==" in line.split("#")[0])
+    assert {"torch", "numpy", "transformers", "lm-eval"} <= set(pins) & set(ranges)
+    outside = {name: f"{pin} not in {ranges[name]}" for name, pin in pins.items()
+               if name in ranges and not ranges[name].contains(pin)}
+    assert not outside
+
+
 def test_progress_bar_is_the_librarys_progress_callable(capsys):
     with progress_bar("methods", "method") as progress:
         for i, name in enumerate(["fp16", "kivi-k2v2", "kitty-pro"]):
