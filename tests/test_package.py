@@ -105,6 +105,15 @@ def test_the_pinned_versions_fall_in_the_packages_ranges():
     assert not outside
 
 
+def test_the_readme_names_every_installed_command():
+    readme = (ROOT / "README.md").read_text()
+    named = set(re.findall(r"`(kitty-[a-z-]+\*?)`", readme))
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    missing = [s for s in scripts if s not in named and not any(n.endswith("*") and s.startswith(n[:-1])
+                                                                  for n in named)]
+    assert not missing, f"the README's list of commands lacks {missing}"
+
+
 def test_progress_bar_is_the_librarys_progress_callable(capsys):
     with progress_bar("methods", "method") as progress:
         for i, name in enumerate(["fp16", "kivi-k2v2", "kitty-pro"]):
