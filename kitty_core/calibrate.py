@@ -30,10 +30,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .allocation import FORMAT
 from .cli import count, parser, progress_bar, writable, write_text
 from .texts import shipped_path
+
+if TYPE_CHECKING:
+    import torch
 
 INT4_KEEPS = 1 / 25  # an INT4 channel's error over its INT2 error, in squared scale (3 levels -> 15)
 
@@ -125,7 +129,7 @@ def allocate_measured(costs, per_layer: int) -> list[int]:
     return best[budget][1]
 
 
-def channel_costs(sens) -> "torch.Tensor":
+def channel_costs(sens) -> torch.Tensor:
     """[layers, kv_heads, D] from the probe's table (rows: layer, kv_head, q_head, channel, mse): a
     KV head's channel costs what it costs its query heads together."""
     import torch
@@ -136,6 +140,7 @@ def channel_costs(sens) -> "torch.Tensor":
 
 
 def main(argv=None) -> int:
+    a = arguments().parse_args(argv)  # before torch loads
     import torch
 
     from .config import parse_method
@@ -143,7 +148,6 @@ def main(argv=None) -> int:
     from .models import ModelLoadError, load_model
     from .probe import capture, sensitivity
 
-    a = arguments().parse_args(argv)
     try:
         config = parse_method(a.method)
         if not config.quantize or config.key_bits != 2:

@@ -13,6 +13,7 @@ load torch, so `--help` and usage errors answer at once.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
 import sys
@@ -35,12 +36,25 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def parser(module: str, description: str, **kwargs) -> argparse.ArgumentParser:
-    """An ArgumentParser named as it was started (`kitty-evaluate` or `python -m kitty_core.evaluate`),
-    with the defaults in its help."""
+def command_name(module: str) -> str:
+    """The command as it was started: `kitty-evaluate` (installed) or `python -m kitty_core.evaluate`."""
     name = Path(sys.argv[0]).name
-    prog = name if name.startswith("kitty-") else f"python -m {module}"
-    return argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter, **kwargs)
+    return name if name.startswith("kitty-") else f"python -m {module}"
+
+
+def parser(module: str, description: str, **kwargs) -> argparse.ArgumentParser:
+    """An ArgumentParser named as it was started (`command_name`), with the defaults in its help."""
+    return argparse.ArgumentParser(prog=command_name(module), description=description, formatter_class=HelpFormatter,
+                                   **kwargs)
+
+
+def require(module: str, package: str, extra: str, command: str) -> None:
+    """Exit with status 2 and one line that says how to install `package` (the package's extra `extra`)
+    when the module `command` imports, `module`, is not installed."""
+    if importlib.util.find_spec(module) is None:
+        print(f"error: {command_name(command)} needs {package}: pip install -c requirements.txt '.[{extra}]'",
+              file=sys.stderr)
+        raise SystemExit(2)
 
 
 def count(minimum: int):

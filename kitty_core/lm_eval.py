@@ -18,7 +18,6 @@ run). `read_table` reads it back.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import re
@@ -26,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import count, writable, write_text
+from .cli import count, parser, require, writable, write_text
 from .config import parse_method
 
 DEFAULT_METHODS = "fp16,kivi-k2v2,kivi-k2v2-sink,kitty,kitty-pro"
@@ -184,8 +183,7 @@ def read_table(path: Path):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kitty_core.lm_eval", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = parser("kitty_core.lm_eval", __doc__.split("\n\n")[0])
     p.add_argument("--model", default="demo", help="demo | hub id | local directory | file.gguf")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated; fp16 is always run (first)")
     p.add_argument("--tasks", default="long",
@@ -210,6 +208,7 @@ def main(argv=None) -> int:
                    help="keep the methods that --out already holds from a run of the same settings and run only "
                         "the others (the table is written after each method)")
     a = p.parse_args(argv)
+    require("lm_eval", "lm-eval", "eval", "kitty_core.lm_eval")
     from .engines import make_engine
     from .models import ModelLoadError, load_model
 

@@ -6,15 +6,19 @@
 lm-eval 0.4.13's `lm_eval` command fills its model registry from its own package only, so a model
 defined elsewhere is registered by importing its module first; this is that import, then lm-eval's
 `cli_evaluate`. Bad model_args (an unknown method, a model that does not load) end with one line
-naming the argument, as does a task lm-eval does not know, with exit status 2.
+naming the argument, as does a task lm-eval does not know, with exit status 2; so does a missing
+lm-eval, with the command that installs it.
 """
 
 from __future__ import annotations
 
 import sys
 
+from .cli import require
+
 
 def main(argv=None) -> int:
+    require("lm_eval", "lm-eval", "eval", "kitty_core.lm_eval_harness")
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 

@@ -5,6 +5,7 @@ the demo model itself on one short sample."""
 
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 from lm_eval.models.huggingface import HFLM
 
+from kitty_core import lm_eval_harness
 from kitty_core.lm_eval import main, read_table, summary
 from kitty_core.lm_eval_metrics import exact_match, recall
 from kitty_core.lm_eval_model import KittyLM, KittyLMError
@@ -210,3 +212,14 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
     assert "no such directory" in capsys.readouterr().err
     assert main(["--lengths", "100", "--out", str(tmp_path / "t.json")]) == 2
     assert "at least 256" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, args", [(main, ["--model", "demo"]), (lm_eval_harness.main, ["--help"])],
+                         ids=["lm_eval", "lm_eval_harness"])
+def test_without_lm_eval_the_commands_say_how_to_install_it(command, args, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if lm-eval were not installed
+    with pytest.raises(SystemExit) as stopped:
+        command(args)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs lm-eval: pip install -c requirements.txt '.[eval]'" in err

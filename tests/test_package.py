@@ -17,7 +17,9 @@ from kitty_core.cli import progress_bar
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = {"torch", "transformers", "pandas"}
 COMMANDS = [["kitty_core.evaluate"], ["kitty_core.probe"], ["kitty_core.passkey"], ["kitty_core.bench", "kernels"],
-            ["kitty_core.bench", "e2e"], ["kitty_core.bench", "generate"], ["kitty_core.compile"]]
+            ["kitty_core.bench", "e2e"], ["kitty_core.bench", "generate"], ["kitty_core.compile"],
+            ["kitty_core.calibrate"], ["kitty_core.generate"], ["kitty_core.attribution"], ["kitty_core.lm_eval"],
+            ["kitty_core.lm_eval_tasks"]]
 
 
 def _env() -> dict:
@@ -85,6 +87,31 @@ def test_the_wheel_holds_both_packages_the_text_and_the_commands(tmp_path):
                 if re.search(r"^def main\(", p.read_text(), re.M)}
     import kitty_core.cli as cli
     assert commands == {getattr(cli, target.split(":")[1]).module for target in scripts.values()}
+
+
+def test_the_pinned_versions_fall_in_the_packages_ranges():
+    """`pip install -c requirements.txt .` (the README's command) installs what requirements.txt pins:
+    every pin of a dependency of the package is inside pyproject.toml's range for it."""
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    ranges = {r.name.lower(): r.specifier for r in map(Requirement, [*project["dependencies"],
+              *(d for extra in project["optional-dependencies"].values() for d in extra)])}
+    pins = dict(line.split("#")[0].strip().lower().split("==") for line in (ROOT / "requirements.txt").read_text()
+                .splitlines() if "==" in line.split("#")[0])
+    assert {"torch", "numpy", "transformers", "lm-eval"} <= set(pins) & set(ranges)
+    outside = {name: f"{pin} not in {ranges[name]}" for name, pin in pins.items()
+               if name in ranges and not ranges[name].contains(pin)}
+    assert not outside
+
+
+def test_the_readme_names_every_installed_command():
+    readme = (ROOT / "README.md").read_text()
+    named = set(re.findall(r"`(kitty-[a-z-]+\*?)`", readme))
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    missing = [s for s in scripts if s not in named and not any(n.endswith("*") and s.startswith(n[:-1])
+                                                                  for n in named)]
+    assert not missing, f"the README's list of commands lacks {missing}"
 
 
 def test_progress_bar_is_the_librarys_progress_callable(capsys):
