@@ -235,12 +235,12 @@ def main(argv=None) -> int:
         settings.update({"device": str(lm.device), "dtype": str(lm.dtype), "lm_eval": lm_eval.__version__})
         if done:
             _same_settings(a.out, earlier, settings, ("device", "dtype", "lm_eval"))
-            settings["methods"] = list(dict.fromkeys([*earlier["methods"], *settings["methods"]]))
         earlier_minutes = float(earlier.get("minutes") or 0.0)
 
         def save(df):
             minutes = round(earlier_minutes + (time.time() - started) / 60, 1)
-            _write(a.out, {**settings, "max_gen_toks": df.attrs.get("max_gen_toks", {}), "minutes": minutes}, df)
+            _write(a.out, {**settings, "methods": list(dict.fromkeys(df.method)),  # those measured so far
+                           "max_gen_toks": df.attrs.get("max_gen_toks", {}), "minutes": minutes}, df)
 
         df = run(lm, methods, [t.strip() for t in a.tasks.split(",") if t.strip()], lengths, a.samples, a.seed,
                  a.limit, a.engine, batch, a.score_chunk, a.num_fewshot, a.apply_chat_template, a.tasks_dir,
