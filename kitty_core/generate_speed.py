@@ -29,12 +29,8 @@ import torch
 from transformers import DynamicCache
 
 from .cache import KittyCache
+from .gpu_memory import sync
 from .graphs import GraphedDecoder
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def compiled_graphs() -> int:
@@ -62,7 +58,7 @@ def timed_generate(model, path: str, batch: int, prompt: int, new: int, seed: in
     """(seconds, generated ids [batch, new]) of one path, prefill included."""
     enc = _inputs(model, batch, prompt, seed)
     cache = _cache(model, path, prompt + new)
-    _sync()
+    sync()
     start = time.perf_counter()
     if path.endswith(":graphed"):
         logits = model(**enc, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
@@ -77,7 +73,7 @@ def timed_generate(model, path: str, batch: int, prompt: int, new: int, seed: in
         extra = {"disable_compile": True} if path.endswith(":eager") else {}
         out = model.generate(**enc, past_key_values=cache, max_new_tokens=new, min_new_tokens=new,
                              do_sample=False, pad_token_id=0, **extra)[:, prompt:]
-    _sync()
+    sync()
     return time.perf_counter() - start, out
 
 
@@ -141,11 +137,11 @@ def attention_call_us(model, method: str, batch: int, prompt: int, calls: int = 
             call = lambda: torch.ops.kitty.decode_step(q, k, k, layer.steps.lens, 0, d**-0.5)  # noqa: E731
         for _ in range(10):
             call()
-        _sync()
+        sync()
         start = time.perf_counter()
         for _ in range(calls):
             call()
-        _sync()
+        sync()
         out[f"{how}_us"] = 1e6 * (time.perf_counter() - start) / calls
         del cache
     return out

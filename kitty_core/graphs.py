@@ -100,6 +100,17 @@ class _Greedy:
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # in the padded layout
         self.position_ids = torch.zeros((batch, 1), dtype=torch.long, device=device)  # each sequence's own
 
+    def _greedy(self, forward) -> torch.Tensor:
+        """`forward` (the model, or its compiled call) at the next position over the current ids, whose
+        argmax becomes the next ids; returns the last-position logits [B, vocab]."""
+        out = forward(input_ids=self.ids, position_ids=self.position_ids, cache_position=self.position,
+                      past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+        self.ids.copy_(logits.argmax(-1, keepdim=True))
+        self.position += 1
+        self.position_ids += 1
+        return logits
+
     @torch.inference_mode()
     def sync(self) -> None:
         """Take up the cache's host state (after tokens were added to it outside this decoder)."""
@@ -147,12 +158,7 @@ class GraphedDecoder(_Greedy):
         self.sync()
 
     def _body(self) -> torch.Tensor:
-        out = self.model(input_ids=self.ids, position_ids=self.position_ids, cache_position=self.position,
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1]
-        self.ids.copy_(logits.argmax(-1, keepdim=True))
-        self.position += 1
-        self.position_ids += 1
+        logits = self._greedy(self.model)
         self.cache.counters.advance()
         return logits
 
@@ -221,10 +227,4 @@ class CompiledDecoder(_Greedy):
     @torch.inference_mode()
     def step(self) -> torch.Tensor:
         """One decode step; returns its last-position logits [B, vocab]."""
-        out = self.call(input_ids=self.ids, position_ids=self.position_ids, cache_position=self.position,
-                        past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1]
-        self.ids.copy_(logits.argmax(-1, keepdim=True))
-        self.position += 1
-        self.position_ids += 1
-        return logits
+        return self._greedy(self.call)

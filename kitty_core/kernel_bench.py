@@ -73,6 +73,22 @@ def synthetic_layer(method: str, batch: int, length: int, kv_heads: int, head_di
     return layer
 
 
+def fp16_step(batch: int, length: int, q_heads: int, kv_heads: int, head_dim: int, dtype):
+    """A decode step over an FP16 cache, random, on the GPU: the query [batch, q_heads, 1, D], the
+    keys and values [batch, kv_heads, length, D], and the attention scale 1/sqrt(D)."""
+    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(batch, kv_heads, length, head_dim, device="cuda", dtype=dtype)
+    return q, k, torch.randn_like(k), head_dim**-0.5
+
+
+def packed_step(shape, boost: float, q_heads: int, kv_heads: int, head_dim: int, dtype):
+    """A decode step over packed pages: a `synthetic_layer` of kitty at `boost` holding `shape`
+    (batch, length), a random query [batch, q_heads, 1, D] on the GPU and the attention scale."""
+    batch, length = shape
+    layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
+    return layer, torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype), head_dim**-0.5
+
+
 def launch_defaults() -> dict:
     """The fused kernel's launch settings a default call uses (recorded beside its timings)."""
     import inspect
@@ -101,10 +117,7 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
     bw_copy = copy_bandwidth()
     rows = []
     for batch, length in shapes:
-        q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
-        k16 = torch.randn(batch, kv_heads, length, head_dim, device="cuda", dtype=dtype)
-        v16 = torch.randn_like(k16)
-        scale = head_dim**-0.5
+        q, k16, v16, scale = fp16_step(batch, length, q_heads, kv_heads, head_dim, dtype)
         sdpa = lambda: F.scaled_dot_product_attention(q, k16, v16, scale=scale, enable_gqa=True)  # noqa: E731
         sdpa_ms, sdpa_eager_ms = cuda_time(graphed(sdpa)), cuda_time(sdpa)
         sdpa_bytes = 2 * k16.numel() * k16.element_size()
@@ -153,10 +166,7 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), q_heads=32, kv_heads=8
 
     rows = []
     for batch, length in shapes:
-        q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
-        k16 = torch.randn(batch, kv_heads, length, head_dim, device="cuda", dtype=dtype)
-        v16 = torch.randn_like(k16)
-        scale = head_dim**-0.5
+        q, k16, v16, scale = fp16_step(batch, length, q_heads, kv_heads, head_dim, dtype)
 
         def cudnn():
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
@@ -214,15 +224,14 @@ def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=
     from kernels.decode import decode_attention
 
     batch, length = shape
-    layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
-    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+    layer, q, scale = packed_step(shape, boost, q_heads, kv_heads, head_dim, dtype)
     state, rows = layer.kernel_state(), []
     for ppp in (16, 32):
         for warps in (2, 4):
             for stages in (2, 3):
                 for regs in (None, 128, 160):
                     ws = {}
-                    ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state, ppp, warps, stages,
+                    ms = cuda_time(graphed(lambda: decode_attention(layer, q, scale, ws, state, ppp, warps, stages,
                                                                     max_registers=regs)), iters=10)
                     rows.append({"batch": batch, "length": length, "ppp": ppp, "warps": warps, "stages": stages,
                                  "max_registers": regs or "-", "ms": ms})
@@ -239,10 +248,8 @@ def fp16_attention(shape, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bflo
     from .baselines import PreallocatedCache
 
     batch, length = shape
-    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
-    k = torch.randn(batch, kv_heads, length, head_dim, device="cuda", dtype=dtype)
-    v = torch.randn_like(k)
-    nbytes, scale, rows = 2 * k.numel() * k.element_size(), head_dim**-0.5, []
+    q, k, v, scale = fp16_step(batch, length, q_heads, kv_heads, head_dim, dtype)
+    nbytes, rows = 2 * k.numel() * k.element_size(), []
 
     def sdpa_on(backend):
         def run():
@@ -282,10 +289,9 @@ def pack_cost(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=tor
     from .quant import quantize_keys, quantize_values
 
     batch, length = shape
-    layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
-    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+    layer, q, scale = packed_step(shape, boost, q_heads, kv_heads, head_dim, dtype)
     state, ws, g = layer.kernel_state(), {}, layer.config.group_size
-    fused_ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state)))
+    fused_ms = cuda_time(graphed(lambda: decode_attention(layer, q, scale, ws, state)))
     x = torch.randn(batch, kv_heads, g, head_dim, device="cuda", dtype=dtype) * torch.linspace(
         0.2, 4.0, head_dim, device="cuda", dtype=dtype)
     nb = layer.n_boost
@@ -303,15 +309,14 @@ def unpack_modes(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=
     from kernels.decode import decode_attention
 
     batch, length = shape
-    layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
-    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype)
+    layer, q, scale = packed_step(shape, boost, q_heads, kv_heads, head_dim, dtype)
     state, rows = layer.kernel_state(), []
     read = sum(layer.nbytes().values())
     variants = [("full kernel, PTX unpack", {}), ("full kernel, per-element unpack", {"unpack": "bits"}),
                 ("full kernel, int->fp16 conversions in the tail (pages: per element)", {"unpack": "convert"})]
     for what, kw in variants:
         ws = {}
-        ms = cuda_time(graphed(lambda: decode_attention(layer, q, 0.088, ws, state, **kw, **launch)))
+        ms = cuda_time(graphed(lambda: decode_attention(layer, q, scale, ws, state, **kw, **launch)))
         rows.append({"batch": batch, "length": length, "variant": what, "ms": ms, "TBps_of_cache": read / ms / 1e9})
     return pd.DataFrame(rows)
 

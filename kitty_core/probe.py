@@ -51,6 +51,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
 from .config import SELECTION_RULES, KittyConfig  # noqa: E402
+from .gpu_memory import sync  # noqa: E402
 from .quant import _minmax_params, channel_scores  # noqa: E402
 
 TENSORS = ("key", "key_pre_rope", "value")
@@ -290,11 +291,6 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((ra * rb).sum() / (ra.norm() * rb.norm()).clamp_min(1e-12))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def main(argv=None) -> int:
     from .models import ModelLoadError, load_model
 
@@ -319,10 +315,10 @@ def main(argv=None) -> int:
             ids = lm.tokenizer(a.text.read_text(), return_tensors="pt", add_special_tokens=False).input_ids[:, : a.tokens]
         if ids.shape[1] < a.tokens:
             raise ValueError(f"the text has only {ids.shape[1]} tokens, fewer than --tokens {a.tokens}")
-        _sync(lm.device)
+        sync()
         t0 = time.perf_counter()
         cap = capture(lm.model, ids)
-        _sync(lm.device)
+        sync()
         t1 = time.perf_counter()
         with progress_bar("sensitivity probe", "layer") as progress:
             frames = []
@@ -330,7 +326,7 @@ def main(argv=None) -> int:
                 progress(done, len(layers), f"layer {layer}")
                 frames.append(sensitivity(cap, layer))
         sens = pd.concat(frames, ignore_index=True)
-        _sync(lm.device)
+        sync()
         t2 = time.perf_counter()
         agree = agreement(cap, sens, rules=a.rules.split(","))
         stats = channel_stats(cap)
