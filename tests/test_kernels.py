@@ -474,29 +474,30 @@ def test_a_softcapped_model_generates_on_the_triton_engine_as_on_the_reference(l
     """Gemma 2 (softcap 1, head size 64, fp16) generating 48 greedy tokens with kitty-pro on both
     engines: its full layers on the kernels (with every layer full, from device counters in
     transformers' compiled decode), its sliding layers on the reference path. Its logits are ~0.7 at
-    most, and without the softcap ~0.8 away (fp32, CPU): the scores of every step agree to within
+    most, and without the softcap ~0.8 away (fp32, CPU): the logits of every step agree to within
     0.03; the tokens are the same, unless the reference's two best tokens were closer than 0.06 where
-    they part (a random model's top two are often a few 1e-3 apart)."""
+    they part (a random model's top two are often a few 1e-3 apart). Raw logits, not `scores`: the
+    scores carry min_new_tokens' -inf at the end-of-sequence token, whose differences are NaN."""
     from kitty_core import KittyCache
 
     model = _gemma2(1.0, layer_types, head_dim=64, device="cuda", dtype=torch.float16)
     uncapped = _gemma2(None, layer_types, head_dim=64, device="cuda", dtype=torch.float16)
     ids = torch.randint(3, 256, (2, 300), generator=torch.Generator().manual_seed(1)).cuda()
     gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=48, min_new_tokens=48, do_sample=False,
-               pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+               pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     spec = "kitty-pro+sink=4+group_size=64+local_window=64"
     with torch.inference_mode():
         outs = {e: model.generate(input_ids=ids, past_key_values=KittyCache(model, spec, engine=e), **gen)
                 for e in ("triton", "reference")}
         plain = uncapped.generate(input_ids=ids, past_key_values=KittyCache(uncapped, spec, engine="reference"), **gen)
     got, want = outs["triton"], outs["reference"]
-    scores, ref_scores = torch.stack(got.scores).float(), torch.stack(want.scores).float()  # [steps, B, V]
-    assert (torch.stack(plain.scores).float()[0] - ref_scores[0]).abs().max() > 0.2  # the cap matters
+    logits, ref_logits = torch.stack(got.logits).float(), torch.stack(want.logits).float()  # [steps, B, V]
+    assert (torch.stack(plain.logits).float()[0] - ref_logits[0]).abs().max() > 0.2  # the cap matters
     same = (got.sequences == want.sequences).all(0)[ids.shape[1]:]
     first = int((~same).nonzero()[0]) if not same.all() else len(same)
-    torch.testing.assert_close(scores[:first + 1], ref_scores[:first + 1], atol=0.03, rtol=0.03)
+    torch.testing.assert_close(logits[:first + 1], ref_logits[:first + 1], atol=0.03, rtol=0.03)
     if first < len(same):  # a near-tie decided differently
-        top2 = ref_scores[first].topk(2, -1).values
+        top2 = ref_logits[first].topk(2, -1).values
         assert ((top2[:, 0] - top2[:, 1]) < 0.06).any(), f"the engines part at step {first} without a near-tie"
 
 
