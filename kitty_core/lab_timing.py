@@ -27,10 +27,14 @@ def _outcome(at) -> str:
 def time_lab(live: bool = True, timeout_s: float = 1800, progress=None) -> pd.DataFrame:
     """Per page: the first render (which loads the model and the page's analyses), a second render
     (Streamlit's caches), and with `live` each live-run button pressed once. Streamlit's caches are
-    the process's, so later pages find the model loaded, as in one browser session."""
+    the process's, so later pages find the model loaded, as in one browser session. A crash of the
+    process (a segmentation fault in a GPU library) leaves every thread's Python stack on stderr."""
+    import faulthandler
+
     import streamlit.logger
     from streamlit.testing.v1 import AppTest
 
+    faulthandler.enable()
     streamlit.logger.set_log_level("warning")  # AppTest runs the script at debug level
     rows = []
     steps = len(PAGE_FILES) * (4 if live else 2)  # about: two renders, then a page's live runs
