@@ -11,6 +11,7 @@ from kitty_app import DATA, TEXT, Progress, gpu_turn, sidebar
 from kitty_core import PRESETS
 from kitty_core.cli import numbers
 from kitty_core.generate import compare_generations, long_context, read_generations
+from kitty_core.lm_eval import read_table, summary
 from kitty_core.passkey import passkey_prompt, run_passkey
 from kitty_core.results import ResultFileError, read_passkey
 
@@ -247,3 +248,45 @@ if df is not None:
     fig.for_each_annotation(lambda a: a.update(text=a.text.split("=")[-1]))
     st.plotly_chart(fig, width="stretch")
     st.download_button("Download (CSV)", df.to_csv(index=False), "passkey.csv", "text/csv", key="passkey-csv")
+
+st.subheader("Long-context tasks with lm-eval")
+st.markdown("RULER-style needles, variable tracking, common words and the passkey, run through lm-eval's "
+            "harness with each method (saved runs; `python -m kitty_core.lm_eval` writes them, on any model "
+            "and GPU). A point is the share of answers that recall the hidden values (exact match for the "
+            "passkey).")
+KIND_NAMES = {"niah_single": "needle: one key", "niah_multikey": "needle: one of many keys",
+              "niah_multivalue": "needle: every value of a key", "vt": "variable tracking",
+              "cwe": "common words", "passkey": "passkey"}
+tables = sorted(p.name for p in (DATA / "results").glob("lm_eval_*.json"))
+if tables:
+    default = "lm_eval_demo_h200.json"
+    name = st.selectbox("Saved run", tables, index=tables.index(default) if default in tables else 0)
+    try:
+        settings, table = read_table(DATA / "results" / name)
+    except ValueError as err:  # named, not fatal: another file can still be picked
+        st.warning(f"{err}; skipped. `python -m kitty_core.lm_eval --out FILE` writes such files.")
+    else:
+        st.caption(f"{settings.get('model')} on {settings.get('device')}, "
+                   f"{str(settings.get('dtype')).removeprefix('torch.')}, {settings.get('samples')} samples a "
+                   f"cell, lm-eval {settings.get('lm_eval')}, {settings.get('minutes')} minutes in all.")
+        suite = table[table.kind.notna()].copy()
+        if not suite.empty:
+            suite = suite.sort_values("length", kind="stable")
+            suite["length"] = suite["length"].map(lambda n: f"{int(n):,}")
+            suite["kind"] = suite["kind"].map(lambda k: KIND_NAMES.get(k, k))
+            fig = px.line(suite, x="length", y="score", color="method", facet_col="kind", facet_col_wrap=3,
+                          markers=True, range_y=(-0.03, 1.03), hover_data={"diff": ":+.2f", "samples": True},
+                          labels={"length": "prompt length (tokens)", "score": "score", "diff": "against FP16"},
+                          category_orders={"kind": [KIND_NAMES[k] for k in KIND_NAMES]},
+                          title="Score per task and prompt length")
+            fig.update_xaxes(type="category")
+            fig.update_yaxes(tickformat=".0%")
+            fig.for_each_annotation(lambda a: a.update(text=a.text.split("=")[-1]))
+            st.plotly_chart(fig, width="stretch")
+        scores = summary(table)
+        st.dataframe(scores, column_config={c: st.column_config.NumberColumn(c, format="%+.2f" if c.endswith(" - fp16")
+                                                                             else "%.2f") for c in scores.columns})
+        st.download_button("Download (CSV)", table.to_csv(index=False), name.replace(".json", ".csv"), "text/csv",
+                           key="lm-eval-csv")
+else:
+    st.info("No saved lm-eval runs in data/results. `python -m kitty_core.lm_eval --out FILE` writes them.")

@@ -258,11 +258,32 @@ def test_generations_page_passkey_heatmap_saved_and_live():
     at.text_input(key="pk_lengths").set_value("300")
     at.button[-1].click().run()
     assert not at.exception, at.exception
-    spec = json.loads(at.get("plotly_chart")[-1].proto.spec)
+    specs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    spec = next(s for s in specs if "Passkey" in json.dumps(s["layout"]))
     assert "run here" in json.dumps(spec["layout"]) and spec["data"][0]["z"]
     at.text_input(key="pk_lengths").set_value("30000")  # beyond the context
     at.button[-1].click().run()
     assert not at.exception and any("context" in e.value for e in at.error)
+
+
+def test_generations_page_shows_the_saved_lm_eval_suite():
+    from kitty_core.lm_eval import read_table
+
+    at = run("pages/4_Generations.py")
+    settings, table = read_table(ROOT / "data/results/lm_eval_demo_h200.json")
+    spec = next(json.loads(c.proto.spec) for c in at.get("plotly_chart")
+                if "Score per task" in json.dumps(json.loads(c.proto.spec)["layout"]))
+    # one line per method in each of the six kinds' panels, a point per tested length, named in words
+    assert {t["name"] for t in spec["data"]} == set(settings["methods"])
+    assert len(spec["data"]) == 6 * len(settings["methods"])
+    assert all(t["x"] == ["1,024", "2,048", "4,096", "7,680"] for t in spec["data"])
+    panels = {a["text"] for a in spec["layout"]["annotations"]}
+    assert {"needle: one key", "variable tracking", "passkey"} <= panels
+    qk = next(t for t in spec["data"] if t["name"] == "kitty-pro+selection=qk" and "needle: one key" in t["hovertemplate"])
+    assert numbers(qk["y"]) == table[(table.method == "kitty-pro+selection=qk") & (table.kind == "niah_single")
+                                     ].sort_values("length").score.tolist()
+    scores = next(d.value for d in at.dataframe if "kitty-pro - fp16" in d.value.columns)
+    assert scores.loc["kitty_niah_single_4096", "fp16"] == 1.0
 
 
 def test_pages_skip_malformed_result_files(tmp_path, monkeypatch):
@@ -278,6 +299,7 @@ def test_pages_skip_malformed_result_files(tmp_path, monkeypatch):
     (res / "accuracy_broken.json").write_text('{"results": [{"method": "kitty-pro"}]}')
     (res / "passkey_demo_cpu.csv").write_text('method,length\n"unterminated')
     (res / "generations_demo_cpu.json").write_text('{"settings": {}, "texts": [{"method": "fp16"}], "kl": []}')
+    (res / "lm_eval_cut_short.json").write_text('{"settings": {"model": "demo"}, "results": [')
     monkeypatch.setattr(kitty_app, "DATA", tmp_path)
     warned = lambda at: " ".join(w.value for w in at.warning)  # noqa: E731
     memory = run("pages/5_Memory_and_throughput.py")
@@ -288,3 +310,4 @@ def test_pages_skip_malformed_result_files(tmp_path, monkeypatch):
     generations = run("pages/4_Generations.py")
     assert "passkey_demo_cpu.csv" in warned(generations)
     assert "generations_demo_cpu.json: its texts lack text, tokens, first_divergence" in warned(generations)
+    assert "lm_eval_cut_short.json cannot be read as JSON" in warned(generations)
