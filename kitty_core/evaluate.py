@@ -159,10 +159,27 @@ def boost_sweep(model, tokenizer, rates=(0.0, 0.125, 0.25, 0.5), rules=("magnitu
 def curve_rule(method: str) -> str:
     """The selection rule whose boost-rate curve a method lies on, or "preset": 2-bit keys with
     boosted channels, or a sweep's boost-0 point (its rule spelled out, `+selection=qk`), whose
-    curves all start there."""
+    curves all start there. A calibrated allocation (`+allocation=<file>`) spends the same budget
+    unevenly over layers, a curve of its own: "qk + allocation"."""
     c = parse_method(method)
     on_curve = c.quantize and c.key_bits == 2 and (c.boost_rate > 0 or "selection=" in method)
-    return c.selection if on_curve else "preset"
+    if not on_curve:
+        return "preset"
+    return f"{c.selection} + allocation" if c.allocation else c.selection
+
+
+def pareto_front(df: pd.DataFrame, cost: str = "bits_per_element", error: str = "kl",
+                 lower_is_better: bool = True) -> pd.DataFrame:
+    """The rows no other row beats at the same or lower cost: the best `error` reachable at each
+    memory budget, sorted by cost. `lower_is_better=False` for a score (top-1 agreement)."""
+    sign = 1 if lower_is_better else -1
+    ranked = df.assign(_e=sign * df[error]).sort_values([cost, "_e"], kind="stable")
+    best, keep = float("inf"), []
+    for i, e in zip(ranked.index, ranked["_e"]):
+        if e < best:
+            best = e
+            keep.append(i)
+    return df.loc[keep]
 
 
 def rule_curves(df: pd.DataFrame) -> pd.DataFrame:

@@ -6,7 +6,7 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from kitty_app import DATA, Progress, gpu_turn, sidebar
-from kitty_core.evaluate import boost_sweep, curve_rule, rule_curves
+from kitty_core.evaluate import boost_sweep, curve_rule, pareto_front, rule_curves
 from kitty_core.results import ResultFileError, read_accuracy
 
 DEFAULT_FILE = "rules_demo_cpu.json"  # a dense sweep on the demo model, CPU: every rule, boost 0 to 1
@@ -73,8 +73,8 @@ for trace in px.scatter(presets, x="boost_rate", y=metric, text="method").data:
     trace.update(textposition="top center", name="presets", showlegend=True, marker_symbol="diamond",
                  marker_size=10)
     fig.add_trace(trace)
-if "fp16" in set(df.method) and metric != "kl":  # FP16 is the reference: KL 0, agreement 1
-    ref = float(df.loc[df.method == "fp16", metric].iloc[0])
+ref = float(df.loc[df.method == "fp16", metric].iloc[0]) if "fp16" in set(df.method) else None
+if ref is not None and metric != "kl":  # FP16 is the reference: KL 0, agreement 1
     fig.add_hline(y=ref, line_dash="dash", line_color="gray", annotation_text="FP16")
 bits = lines.drop_duplicates("boost_rate").sort_values("boost_rate")
 fig.add_trace(go.Scatter(x=bits.boost_rate, y=bits.bits_per_element, name="bits per element", mode="lines",
@@ -88,6 +88,29 @@ fig.update_yaxes(title_text=METRICS[metric], type="log" if log else "linear",
                  tickformat=".0%" if metric == "top1" else None, secondary_y=False)
 fig.update_yaxes(title_text="bits per element (keys and values)", secondary_y=True, showgrid=False, tickformat=".1f")
 st.plotly_chart(fig, width="stretch")
+
+# the same points against what they cost: which rule (or allocation, or preset) is best at each budget
+costed = df[df.method != "fp16"]
+front = pareto_front(costed, error=metric, lower_is_better=metric != "top1")
+cost_fig = go.Figure()
+for rule, points in costed.groupby("rule", sort=False):
+    preset = rule == "preset"
+    cost_fig.add_trace(go.Scatter(
+        x=points.bits_per_element, y=points[metric], name="presets" if preset else rule,
+        mode="markers+text" if preset else "markers", text=points.method if preset else None,
+        textposition="top center", customdata=points.method, hovertemplate="%{customdata}<br>%{x:.2f} bits, %{y:.4g}",
+        marker={"symbol": "diamond", "size": 10} if preset else {"size": 8}))
+cost_fig.add_trace(go.Scatter(x=front.bits_per_element, y=front[metric], name="best at each budget", mode="lines",
+                              line={"shape": "hv", "dash": "dash", "color": "gray"}, hoverinfo="skip"))
+if ref is not None and metric != "kl":
+    cost_fig.add_hline(y=ref, line_dash="dash", line_color="gray", annotation_text="FP16")
+cost_fig.update_layout(title=f"{METRICS[metric].split(',')[0]} against memory (bits per element)", legend_title_text="")
+cost_fig.update_xaxes(title_text="bits per element of a page (keys and values, metadata included)", tickformat=".1f")
+cost_fig.update_yaxes(title_text=METRICS[metric], type="log" if log else "linear",
+                      tickformat=".0%" if metric == "top1" else None)
+st.plotly_chart(cost_fig, width="stretch")
+st.caption("The dashed line is the best " + METRICS[metric].split(",")[0] + " any point reaches at or below "
+           "each budget: " + ", ".join(f"{m} ({b:.2f} bits)" for m, b in zip(front.method, front.bits_per_element)) + ".")
 st.dataframe(df[["method", "rule", "boost_rate", "kl", "perplexity", "top1", "bits_per_element", "seconds"]],
              hide_index=True, column_config={
                  "rule": st.column_config.TextColumn("selection rule"),

@@ -118,6 +118,30 @@ def test_boost_rate_page_draws_a_curve_per_rule_from_0_to_1():
     assert "presets" in {t.get("name") for t in spec["data"]}
 
 
+def test_boost_rate_page_draws_accuracy_against_memory():
+    at = run("pages/3_Boost_rate.py")
+    cost = chart(at, 1)
+    assert "against memory" in json.dumps(cost["layout"]["title"])
+    front = next(t for t in cost["data"] if t["name"] == "best at each budget")
+    bits, kl = numbers(front["x"]), numbers(front["y"])
+    assert bits == sorted(bits) and kl == sorted(kl, reverse=True)  # more memory buys less error
+    points = [t for t in cost["data"] if t["name"] != "best at each budget"]
+    best = {}
+    for t in points:
+        for b, k in zip(numbers(t["x"]), numbers(t["y"])):
+            best[b] = min(best.get(b, k), k)
+    # every point on or above the line: the line is the least KL at or below each budget
+    for b, k in best.items():
+        assert k >= min(kk for bb, kk in zip(bits, kl) if bb <= b + 1e-9) - 1e-12
+    assert {"qk", "magnitude", "presets"} <= {t["name"] for t in points}
+    # a calibrated allocation's points are their own series, not a zigzag on the uniform rule's curve
+    at.selectbox[0].set_value("accuracy_demo_h200_allocation.json").run()
+    assert not at.exception
+    names = {t["name"] for t in chart(at, 1)["data"]}
+    assert {"qk + allocation", "magnitude + allocation"} <= names
+    assert "kitty-pro+selection=qk+allocation=" in " ".join(c.value for c in at.caption)
+
+
 def test_boost_rate_live_sweep_needs_a_rule():
     at = run("pages/3_Boost_rate.py")
     at.radio(key="results_source").set_value("run on the loaded model").run()

@@ -55,3 +55,25 @@ def test_generations_against_fp16(demo):
         compare_generations(demo.model, demo.tokenizer, "  ", ["kitty"])
     with pytest.raises(ValueError, match="context"):
         compare_generations(demo.model, demo.tokenizer, "hi", ["kitty"], 9000)
+
+
+def test_pareto_front_keeps_the_best_at_each_budget():
+    import pandas as pd
+
+    from kitty_core.evaluate import pareto_front
+
+    df = pd.DataFrame({"method": list("abcdef"), "bits_per_element": [2.5, 2.5, 2.63, 2.63, 3.4, 2.9],
+                       "kl": [0.10, 0.08, 0.05, 0.09, 0.001, 0.06], "top1": [0.80, 0.82, 0.88, 0.81, 0.99, 0.87]})
+    # b beats a at 2.5 bits; d costs what c costs and does worse; f costs more than c and does worse
+    assert pareto_front(df).method.tolist() == ["b", "c", "e"]
+    assert pareto_front(df, error="top1", lower_is_better=False).method.tolist() == ["b", "c", "e"]
+    assert pareto_front(df.iloc[:0]).empty
+
+
+def test_an_allocation_is_a_curve_of_its_own():
+    from kitty_core.evaluate import curve_rule
+
+    assert curve_rule("kitty-pro+selection=qk") == "qk"
+    assert curve_rule("kitty-pro+selection=qk+allocation=data/allocations/demo_kitty-pro.json") == "qk + allocation"
+    assert curve_rule("kitty+allocation=data/allocations/demo_kitty.json") == "magnitude + allocation"
+    assert curve_rule("k4v2-sink") == curve_rule("kivi-k2v2") == "preset"
