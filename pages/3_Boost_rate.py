@@ -109,8 +109,9 @@ cost_fig.update_xaxes(title_text="bits per element of a page (keys and values, m
 cost_fig.update_yaxes(title_text=METRICS[metric], type="log" if log else "linear",
                       tickformat=".0%" if metric == "top1" else None)
 st.plotly_chart(cost_fig, width="stretch")
-st.caption("The dashed line is the best " + METRICS[metric].split(",")[0] + " any point reaches at or below "
-           "each budget: " + ", ".join(f"{m} ({b:.2f} bits)" for m, b in zip(front.method, front.bits_per_element)) + ".")
+on_front = ", ".join(f"{m} ({b:.2f} bits)" for m, b in zip(front.method, front.bits_per_element))
+st.caption(f"The dashed line is the best {METRICS[metric].split(',')[0]} any point reaches at or below each "
+           f"budget: {on_front}.")
 st.dataframe(df[["method", "rule", "boost_rate", "kl", "perplexity", "top1", "bits_per_element", "seconds"]],
              hide_index=True, column_config={
                  "rule": st.column_config.TextColumn("selection rule"),

@@ -303,7 +303,8 @@ def test_generations_page_shows_the_saved_lm_eval_suite():
     assert all(t["x"] == ["1,024", "2,048", "4,096", "7,680"] for t in spec["data"])
     panels = {a["text"] for a in spec["layout"]["annotations"]}
     assert {"needle: one key", "variable tracking", "passkey"} <= panels
-    qk = next(t for t in spec["data"] if t["name"] == "kitty-pro+selection=qk" and "needle: one key" in t["hovertemplate"])
+    qk = next(t for t in spec["data"]
+              if t["name"] == "kitty-pro+selection=qk" and "needle: one key" in t["hovertemplate"])
     assert numbers(qk["y"]) == table[(table.method == "kitty-pro+selection=qk") & (table.kind == "niah_single")
                                      ].sort_values("length").score.tolist()
     scores = next(d.value for d in at.dataframe if "kitty-pro - fp16" in d.value.columns)
