@@ -39,6 +39,7 @@ def arguments():
 if __name__ == "__main__":
     arguments().parse_args()  # --help and usage errors answer here, before the imports below load torch
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
@@ -48,7 +49,7 @@ import torch  # noqa: E402
 
 from .cache import KittyCache  # noqa: E402
 from .engines import available_engines, make_engine  # noqa: E402
-from .config import parse_method  # noqa: E402
+from .config import PRESETS, parse_method  # noqa: E402
 from .models import ModelLoadError, load_model  # noqa: E402
 from .results import boost_share, stamp  # noqa: E402
 
@@ -159,13 +160,17 @@ def boost_sweep(model, tokenizer, rates=(0.0, 0.125, 0.25, 0.5), rules=("magnitu
 def curve_rule(method: str) -> str:
     """The selection rule whose boost-rate curve a method lies on, or "preset": 2-bit keys with
     boosted channels, or a sweep's boost-0 point (its rule spelled out, `+selection=qk`), whose
-    curves all start there. A calibrated allocation (`+allocation=<file>`) spends the same budget
-    unevenly over layers, a curve of its own: "qk + allocation"."""
+    curves all start there. A method that changes anything else of Kitty's (a calibrated allocation,
+    the page size, the FP16 sink ...) lies on a curve of its own, named by what it changes:
+    "qk + allocation", "qk + group_size=256"."""
     c = parse_method(method)
     on_curve = c.quantize and c.key_bits == 2 and (c.boost_rate > 0 or "selection=" in method)
     if not on_curve:
         return "preset"
-    return f"{c.selection} + allocation" if c.allocation else c.selection
+    kitty = PRESETS["kitty"]
+    changed = [f.name if f.name == "allocation" else f"{f.name}={getattr(c, f.name)}" for f in dataclasses.fields(c)
+               if f.name not in ("boost_rate", "selection", "seed") and getattr(c, f.name) != getattr(kitty, f.name)]
+    return " + ".join([c.selection, *changed])
 
 
 def pareto_front(df: pd.DataFrame, cost: str = "bits_per_element", error: str = "kl",

@@ -70,10 +70,12 @@ def test_pareto_front_keeps_the_best_at_each_budget():
     assert pareto_front(df.iloc[:0]).empty
 
 
-def test_an_allocation_is_a_curve_of_its_own():
+def test_a_method_that_changes_more_than_the_boost_is_a_curve_of_its_own():
     from kitty_core.evaluate import curve_rule
 
     assert curve_rule("kitty-pro+selection=qk") == "qk"
     assert curve_rule("kitty-pro+selection=qk+allocation=data/allocations/demo_kitty-pro.json") == "qk + allocation"
     assert curve_rule("kitty+allocation=data/allocations/demo_kitty.json") == "magnitude + allocation"
+    assert curve_rule("kitty+selection=qk+boost_rate=0.3125+group_size=256") == "qk + group_size=256"
+    assert curve_rule("kitty-pro+sink=8+local_window=32") == "magnitude + sink=8 + local_window=32"
     assert curve_rule("k4v2-sink") == curve_rule("kivi-k2v2") == "preset"
