@@ -51,6 +51,9 @@ from .texts import shipped_path
 
 HAYSTACK = shipped_path()  # Genesis (KJV), public domain: kitty_core.texts says where it is looked up
 KINDS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe", "passkey")
+TITLES = {"niah_single": "needle: one key", "niah_multikey": "needle: one of many keys",
+          "niah_multivalue": "needle: every value of a key", "vt": "variable tracking", "cwe": "common words",
+          "passkey": "passkey"}  # each kind in words, as the lab names it
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 VERSION = 1  # of the generator: part of suite.json, so that a changed generator writes new files
 

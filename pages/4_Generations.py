@@ -12,6 +12,7 @@ from kitty_core import PRESETS
 from kitty_core.cli import numbers
 from kitty_core.generate import compare_generations, long_context, read_generations
 from kitty_core.lm_eval import read_table, summary
+from kitty_core.lm_eval_tasks import TITLES
 from kitty_core.passkey import passkey_prompt, run_passkey
 from kitty_core.results import ResultFileError, read_passkey
 
@@ -254,9 +255,6 @@ st.markdown("RULER-style needles, variable tracking, common words and the passke
             "harness with each method (saved runs; `python -m kitty_core.lm_eval` writes them, on any model "
             "and GPU). A point is the share of answers that recall the hidden values (exact match for the "
             "passkey).")
-KIND_NAMES = {"niah_single": "needle: one key", "niah_multikey": "needle: one of many keys",
-              "niah_multivalue": "needle: every value of a key", "vt": "variable tracking",
-              "cwe": "common words", "passkey": "passkey"}
 tables = sorted(p.name for p in (DATA / "results").glob("lm_eval_*.json"))
 if tables:
     default = "lm_eval_demo_h200.json"
@@ -273,11 +271,11 @@ if tables:
         if not suite.empty:
             suite = suite.sort_values("length", kind="stable")
             suite["length"] = suite["length"].map(lambda n: f"{int(n):,}")
-            suite["kind"] = suite["kind"].map(lambda k: KIND_NAMES.get(k, k))
+            suite["kind"] = suite["kind"].map(lambda k: TITLES.get(k, k))
             fig = px.line(suite, x="length", y="score", color="method", facet_col="kind", facet_col_wrap=3,
                           markers=True, range_y=(-0.03, 1.03), hover_data={"diff": ":+.2f", "samples": True},
                           labels={"length": "prompt length (tokens)", "score": "score", "diff": "against FP16"},
-                          category_orders={"kind": [KIND_NAMES[k] for k in KIND_NAMES]},
+                          category_orders={"kind": list(TITLES.values())},
                           title="Score per task and prompt length")
             fig.update_xaxes(type="category")
             fig.update_yaxes(tickformat=".0%")
