@@ -1,5 +1,7 @@
-"""The text shipped with the library: the King James Version of Genesis (public domain), what the
-command lines score and probe by default and what the README's example prompts with.
+"""The texts shipped with the library, both from the King James Version (public domain): Genesis, what
+the command lines score and probe by default and what the README's example prompts with, and the
+Gospel of Luke, a second text to score on, one a calibration on Genesis has not seen
+(`shipped_path(LUKE)`).
 
 It is looked up in two places, in this order: `kitty_core/data/` inside the installed package
 (`pip install .` copies the repository's `data/*.txt` there) and `data/` beside the package, where a
@@ -11,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 GENESIS = "genesis_kjv.txt"
+LUKE = "luke_kjv.txt"
 _PACKAGE = Path(__file__).resolve().parent
 
 
