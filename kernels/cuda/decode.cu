@@ -17,13 +17,15 @@
 //   values  O^T [channels, heads] += V^T [channels, tokens] P^T: A = value codes, B = weights.
 // A score tile's accumulator is an 8x8 matrix pair in the fragment layout; `movmatrix.trans` turns
 // it into the B operand of the value MMA (head = lane / 4), so the weights never leave registers.
-// Codes become operands in registers: a 32-bit word of packed bytes, masked in place for plane P and
-// OR-ed under the exponent of 1024 (one lop3), is two fp16 numbers 1024 + 4^P x code; bytes 0 and 2
-// form one register, bytes 1 and 3 (after a shift) the other. The reduction axis of every MMA is
+// Codes become operands in registers: a 32-bit word of packed bytes masked in place for plane P (one
+// LOP3) is two fp16 subnormals, 2^-24 x 4^P x code (every 16-bit pattern under 0x0400 is exactly
+// 2^-24 times itself); bytes 0 and 2 form one register, bytes 1 and 3 (after a shift) the other. The reduction axis of every MMA is
 // free to be permuted (both operands agree), and the token order is chosen so that the key tile's
 // rows, after the transpose, are the value tile's reduction index: a thread's value bytes are then
-// 8 contiguous bytes per token quarter. The 1024 x (sum of the other operand) comes from one more
-// MMA with a tile of ones (already in the accumulator's layout), the 4^P with the scaling.
+// 8 contiguous bytes per token quarter. The factor 2^-24 x 4^P comes out with the scaling. Tensor
+// cores multiply subnormal fp16 exactly, and no large offset is added and taken away again (as
+// 1024 + code would need), so the fp32 accumulators keep their full precision: the products are
+// the codes' own.
 // Per-channel key scales fold into the queries, per-token value scales into the weights; the
 // softmax runs in base 2 (the queries carry log2 e).
 //
@@ -56,7 +58,6 @@ struct PageArgs {
   long long sMb, sMh, sAb, sAh, sAc;
   int batch, hkv, rep, ppp, chunks, chunk0;
   float scaling;  // softmax scale x log2 e
-  uint32_t magic;  // 0x64006400: two fp16 1024.0 (set by the launcher)
 };
 
 template <int NB>
@@ -104,22 +105,12 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// Plane p of a word of packed bytes (or of it shifted right 8): bytes 0 and 2 -> the fp16 numbers
-// 1024 + 4^p x code, one lop3 (a & b) | c. lop3 takes one immediate: the mask is it, and 1024's
-// exponent bits come in a register (`magic`), which ptxas would otherwise rematerialize for every
-// operand (a move each). p is a constant once the loops are unrolled: the switch folds away.
-#define KITTY_LOP3(M) asm("lop3.b32 %0, %1, " #M ", %2, 0xea;\n" : "=r"(r) : "r"(w), "r"(magic))
-__device__ __forceinline__ uint32_t plane_rt(uint32_t w, int p, uint32_t magic) {
-  uint32_t r;
-  switch (p) {
-    case 0: KITTY_LOP3(0x00030003); break;
-    case 1: KITTY_LOP3(0x000C000C); break;
-    case 2: KITTY_LOP3(0x00300030); break;
-    default: KITTY_LOP3(0x00C000C0); break;
-  }
-  return r;
-}
-#undef KITTY_LOP3
+// Plane p of a word of packed bytes (or of it shifted right 8): bytes 0 and 2 -> the fp16 subnormals
+// 2^-24 x 4^p x code (one LOP3). p is a constant once the loops are unrolled.
+__device__ __forceinline__ uint32_t plane_rt(uint32_t w, int p) { return w & (0x00030003u << (2 * p)); }
+
+// 2^24 / 4^p: what turns plane p's products back into code x operand
+__device__ __forceinline__ float plane_scale(int p) { return 16777216.f / float(1 << (2 * p)); }
 
 template <typename T> __device__ __forceinline__ float to_f(T x);
 template <> __device__ __forceinline__ float to_f<half>(half x) { return __half2float(x); }
@@ -213,19 +204,13 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
   __syncwarp();
 
   float acc[4][2][4];  // [channel plane P'][half jj][fragment]: O^T rows P'*32 + jj*16 + g (+8), heads 2t, 2t+1
-  float accb[4];       // sum of the fp16 weights per head (the values' 1024 term)
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int k = 0; k < 4; ++k) acc[i][j][k] = 0.f;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) accb[k] = 0.f;
   float m0 = __int_as_float(0xff800000), m1 = __int_as_float(0xff800000), l0 = 0.f, l1 = 0.f, z0 = 0.f, z1 = 0.f;
-  const uint32_t ONES = 0x3C003C00u;
-  uint32_t magic;  // 0x64006400, opaque to ptxas so that it stays in one register
-  asm volatile("mov.b32 %0, %1;\n" : "=r"(magic) : "r"(a.magic));
 
   for (int i = 0; i < count; ++i) {
     {
@@ -286,15 +271,6 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
     zq += __shfl_xor_sync(~0u, zq, 1);
     zq += __shfl_xor_sync(~0u, zq, 2);
     const float zero0 = __shfl_sync(~0u, zq, 8 * t), zero1 = __shfl_sync(~0u, zq, 8 * t + 4);
-    // 1024 x the sum of the B operand per head, in the accumulator's layout
-    float bias[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int k = 0; k < 8; ++k) mma(bias, ONES, ONES, ONES, ONES, kb[k][0], kb[k][1]);
-    if constexpr (NB > 0) {
-#pragma unroll
-      for (int w = 0; w < NBW; ++w) mma(bias, ONES, ONES, ONES, ONES, hb[w][0], hb[w][1]);
-    }
-    const float nb0 = -1024.f * bias[0], nb1 = -1024.f * bias[1];
 
     // ---- scores: 8 tiles (token quarter P, half jh) of 16 tokens x 8 heads ----
     float s[4][2][4];
@@ -326,18 +302,18 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
 #pragma unroll
       for (int P = 0; P < 4; ++P) {
         float* c = s[P][jh];
-        c[0] = nb0; c[1] = nb1; c[2] = nb0; c[3] = nb1;
+        c[0] = 0.f; c[1] = 0.f; c[2] = 0.f; c[3] = 0.f;
 #pragma unroll
         for (int k = 0; k < 8; ++k)
-          mma(s[P][jh], plane_rt(wd[0][k], P, magic), plane_rt(wd[1][k], P, magic), plane_rt(wds[0][k], P, magic),
-              plane_rt(wds[1][k], P, magic), kb[k][0], kb[k][1]);
+          mma(s[P][jh], plane_rt(wd[0][k], P), plane_rt(wd[1][k], P), plane_rt(wds[0][k], P),
+              plane_rt(wds[1][k], P), kb[k][0], kb[k][1]);
         if constexpr (NB > 0) {
 #pragma unroll
           for (int w = 0; w < NBW; ++w)
-            mma(s[P][jh], plane_rt(hw[0][w], P, magic), plane_rt(hw[1][w], P, magic), plane_rt(hws[0][w], P, magic),
-                plane_rt(hws[1][w], P, magic), hb[w][0], hb[w][1]);
+            mma(s[P][jh], plane_rt(hw[0][w], P), plane_rt(hw[1][w], P), plane_rt(hws[0][w], P),
+                plane_rt(hws[1][w], P), hb[w][0], hb[w][1]);
         }
-        const float f = 1.f / float(1 << (2 * P));
+        const float f = plane_scale(P);
         c[0] = c[0] * f + zero0; c[1] = c[1] * f + zero1;
         c[2] = c[2] * f + zero0; c[3] = c[3] * f + zero1;
       }
@@ -367,7 +343,6 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
       for (int j = 0; j < 2; ++j) {
         acc[i2][j][0] *= al0; acc[i2][j][1] *= al1; acc[i2][j][2] *= al0; acc[i2][j][3] *= al1;
       }
-    accb[0] *= al0; accb[1] *= al1; accb[2] *= al0; accb[3] *= al1;
 
     // ---- values: per token tile (P, jh), the weights as the B operand of 8 channel tiles ----
 #pragma unroll
@@ -393,15 +368,14 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
         z0 += p0 * vzr.x + p2 * vzr.y; z1 += p1 * vzr.x + p3 * vzr.y;
         const uint32_t b0 = transpose8x8(pack_half2(p0 * vsc.x, p1 * vsc.x));
         const uint32_t b1 = transpose8x8(pack_half2(p2 * vsc.y, p3 * vsc.y));
-        mma(accb, ONES, ONES, ONES, ONES, b0, b1);
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
           const uint32_t w0 = vw[jj][0][jh], w1 = vw[jj][1][jh];
           const uint32_t w0s = w0 >> 8, w1s = w1 >> 8;
 #pragma unroll
           for (int Q = 0; Q < 4; ++Q)
-            mma(acc[Q][jj], plane_rt(w0, Q, magic), plane_rt(w1, Q, magic), plane_rt(w0s, Q, magic),
-                plane_rt(w1s, Q, magic), b0, b1);
+            mma(acc[Q][jj], plane_rt(w0, Q), plane_rt(w1, Q), plane_rt(w0s, Q),
+                plane_rt(w1s, Q), b0, b1);
         }
       }
     }
@@ -416,23 +390,22 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
     z0 += __shfl_xor_sync(~0u, z0, o); z1 += __shfl_xor_sync(~0u, z1, o);
   }
   const int h0 = 2 * t, h1 = 2 * t + 1;
-  const float bb0 = 1024.f * accb[0], bb1 = 1024.f * accb[1];
   const float r0 = 1.f / l0, r1 = 1.f / l1;
   T* out = reinterpret_cast<T*>(a.acc) + b * a.sAb + (long long)(h * a.rep) * a.sAh + (a.chunk0 + chunk) * a.sAc;
 #pragma unroll
   for (int Q = 0; Q < 4; ++Q) {
-    const float f = 1.f / float(1 << (2 * Q));
+    const float f = plane_scale(Q);
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj) {
       const int ch = Q * 32 + jj * 16 + g;
       const float* c = acc[Q][jj];
       if (h0 < a.rep) {
-        out[h0 * a.sAh + ch] = from_f<T>(((c[0] - bb0) * f + z0) * r0);
-        out[h0 * a.sAh + ch + 8] = from_f<T>(((c[2] - bb0) * f + z0) * r0);
+        out[h0 * a.sAh + ch] = from_f<T>((c[0] * f + z0) * r0);
+        out[h0 * a.sAh + ch + 8] = from_f<T>((c[2] * f + z0) * r0);
       }
       if (h1 < a.rep) {
-        out[h1 * a.sAh + ch] = from_f<T>(((c[1] - bb1) * f + z1) * r1);
-        out[h1 * a.sAh + ch + 8] = from_f<T>(((c[3] - bb1) * f + z1) * r1);
+        out[h1 * a.sAh + ch] = from_f<T>((c[1] * f + z1) * r1);
+        out[h1 * a.sAh + ch + 8] = from_f<T>((c[3] * f + z1) * r1);
       }
     }
   }
@@ -477,7 +450,6 @@ int launch_t(const PageArgs& a, int warps, cudaStream_t stream) {
 
 // host entry: dtype 0 fp16, 1 bf16; returns a cudaError_t (0: launched)
 int kitty_pages_launch(kitty::PageArgs a, int dtype, int warps, void* stream) {
-  a.magic = 0x64006400u;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   if (warps < 1 || warps > 4) return -2;
   return dtype ? kitty::launch_t<__nv_bfloat16, KITTY_NB, KITTY_STAGES>(a, warps, s)
