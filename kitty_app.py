@@ -27,6 +27,7 @@ import streamlit as st
 import torch
 
 from kitty_core import PRESETS, ModelLoadError, load_model, parse_method
+from kitty_core.allocator import gpu_lab_note
 from kitty_core.models import LoadedModel
 from kitty_core.sharding import placement_summary
 
@@ -168,6 +169,8 @@ def sidebar() -> Frame:
     if lm.device.type == "cuda":
         used = [f"{torch.cuda.memory_allocated(i) / 2**30:.2f}" for i in range(torch.cuda.device_count())]
         sb.caption(f"GPU memory in use: {' + '.join(used)} GiB")
+        if note := gpu_lab_note(lm.device.type):
+            sb.warning(note)
     elif not torch.cuda.is_available():
         sb.caption("No GPU here: the reference engine runs on the CPU.")
     sb.caption(f"Models kept loaded: at most {MODELS_KEPT} (model, device, dtype) choices, shared by every tab; "

@@ -332,6 +332,14 @@ def run_app(a) -> int:
     from .lab_timing import time_app, time_lab
 
     if a.headless:
+        import torch
+
+        from .allocator import VARIABLE, lab_environment, pymalloc_in_use
+
+        if torch.cuda.is_available() and pymalloc_in_use():  # the allocator a GPU lab needs: start again with it
+            print(f"bench app: running again with {VARIABLE}=malloc, as the lab runs on a GPU (kitty_core.allocator)",
+                  file=sys.stderr, flush=True)
+            os.execve(sys.executable, [sys.executable, "-m", "kitty_core.bench", *a.argv], lab_environment())
         with progress_bar("lab steps", "step") as progress:
             steps = time_lab(progress=progress)
         print(steps.round(1).to_string(index=False), flush=True)
