@@ -169,10 +169,10 @@ def sidebar() -> Frame:
     if lm.device.type == "cuda":
         used = [f"{torch.cuda.memory_allocated(i) / 2**30:.2f}" for i in range(torch.cuda.device_count())]
         sb.caption(f"GPU memory in use: {' + '.join(used)} GiB")
-        if note := gpu_lab_note(lm.device.type):
-            sb.warning(note)
     elif not torch.cuda.is_available():
         sb.caption("No GPU here: the reference engine runs on the CPU.")
+    if note := gpu_lab_note(lm.device.type):
+        sb.warning(note)
     sb.caption(f"Models kept loaded: at most {MODELS_KEPT} (model, device, dtype) choices, shared by every tab; "
                "a further one drops the least recently used, after any run on it ends.")
     return Frame(lm, (name, device, dtype), method, text)

@@ -1,16 +1,19 @@
-"""The Python memory allocator a lab process runs with, and the one the lab needs on a GPU.
+"""The Python memory allocator a lab process runs with, and the one the lab asks for on a GPU.
 
-On a GPU, lab processes that ran with CPython's own small-object allocator (pymalloc, the default)
-ended with a segmentation fault after their first live runs: five runs of five, at a point that moves
-(a garbage collection in the main thread, plotly, Dynamo), memory damaged earlier by code that has
-not been found. The same pages and live runs with the C library's allocator (`PYTHONMALLOC=malloc`)
-completed (`docs/results.md`, "The whole lab on one H200"). pymalloc relies on the GIL, the C
-library's allocator does not, so the damage is most likely a Python object allocated or freed by
-native code in a thread that does not hold the GIL. Until that code is found, the lab asks for the C
-library's allocator on a GPU: `serve_app` and `bench app --headless` set it, and the sidebar says
-how to start the lab with it.
+On a GPU, every lab process that ran with CPython's own small-object allocator (pymalloc, the
+default) and reached its live runs ended with a segmentation fault: seven of seven, at a point that
+moves (a garbage collection in the main thread, plotly, Dynamo), so memory was damaged earlier by
+code that has not been found. With the C library's allocator (`PYTHONMALLOC=malloc`) one run of five
+pages and all their live runs completed, and one with the C library's heap checks ran past the
+points where the others had faulted (`docs/results.md`, "The whole lab on one H200"). pymalloc
+relies on the GIL and the C library's allocator does not, which fits native code that allocates or
+frees a Python object without the GIL; a change of heap layout hiding an overrun would fit as well.
+Until the cause is found, the lab asks for the C library's allocator on a GPU: `serve_app` and
+`bench app --headless` start their processes with it, and the sidebar says how to start the lab
+with it.
 
-The allocator is chosen when Python starts, from the environment; a running process cannot change it.
+The allocator is chosen when Python starts, from the environment (which `python -E` and `-I`
+ignore); a running process cannot change it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import os
 
 VARIABLE = "PYTHONMALLOC"
-THREAD_SAFE = ("malloc", "malloc_debug")  # the C library's allocator, with or without Python's checks
+THREAD_SAFE = ("malloc", "malloc_debug", "mimalloc", "mimalloc_debug")  # allocators with their own locks
 LAB_COMMAND = f"{VARIABLE}=malloc streamlit run app.py"
 
 
@@ -29,9 +32,12 @@ def pymalloc_in_use(environ=None) -> bool:
 
 
 def lab_environment(environ=None) -> dict:
-    """The environment to start a lab process on a GPU with: `environ` with the C library's allocator."""
-    environ = os.environ if environ is None else environ
-    return {**environ, VARIABLE: "malloc"} if pymalloc_in_use(environ) else dict(environ)
+    """`environ` (default: this process's) with the C library's allocator in place of pymalloc, keeping
+    Python's debug hooks where they were asked for (`debug`, `pymalloc_debug` -> `malloc_debug`)."""
+    environ = dict(os.environ if environ is None else environ)
+    if pymalloc_in_use(environ):
+        environ[VARIABLE] = "malloc_debug" if environ.get(VARIABLE, "").endswith("debug") else "malloc"
+    return environ
 
 
 def gpu_lab_note(device_type: str, environ=None) -> str | None:

@@ -17,15 +17,15 @@
 //   values  O^T [channels, heads] += V^T [channels, tokens] P^T: A = value codes, B = weights.
 // A score tile's accumulator is an 8x8 matrix pair in the fragment layout; `movmatrix.trans` turns
 // it into the B operand of the value MMA (head = lane / 4), so the weights never leave registers.
-// Codes become operands in registers: a 32-bit word of packed bytes masked in place for plane P (one
-// LOP3) is two fp16 subnormals, 2^-24 x 4^P x code (every 16-bit pattern under 0x0400 is exactly
-// 2^-24 times itself); bytes 0 and 2 form one register, bytes 1 and 3 (after a shift) the other. The reduction axis of every MMA is
-// free to be permuted (both operands agree), and the token order is chosen so that the key tile's
-// rows, after the transpose, are the value tile's reduction index: a thread's value bytes are then
-// 8 contiguous bytes per token quarter. The factor 2^-24 x 4^P comes out with the scaling. Tensor
-// cores multiply subnormal fp16 exactly, and no large offset is added and taken away again (as
-// 1024 + code would need), so the fp32 accumulators keep their full precision: the products are
-// the codes' own.
+// Codes become operands in registers: a 32-bit word of packed bytes masked in place for plane P
+// (one LOP3) is two fp16 subnormals, 2^-24 x 4^P x code (every 16-bit pattern under 0x0400 is
+// exactly 2^-24 times itself); bytes 0 and 2 form one register, bytes 1 and 3 (after a shift) the
+// other. The reduction axis of every MMA is free to be permuted (both operands agree), and the
+// token order is chosen so that the key tile's rows, after the transpose, are the value tile's
+// reduction index: a thread's value bytes are then 8 contiguous bytes per token quarter. The factor
+// 2^-24 x 4^P comes out with the scaling. Tensor cores multiply subnormal fp16 exactly, and no
+// large offset is added and taken away again (as 1024 + code would need), so the accumulators no
+// longer lose about 8 bits to it.
 // Per-channel key scales fold into the queries, per-token value scales into the weights; the
 // softmax runs in base 2 (the queries carry log2 e).
 //
