@@ -7,8 +7,10 @@ gets the same sidebar whichever page a user opens first. The sidebar's choices l
 Models: the last `MODELS_KEPT` (model, device, dtype) choices stay loaded, shared by every browser
 tab (`st.cache_resource`); a further choice drops the least recently used. A tab that is running on
 a model that another tab's choice dropped keeps its own reference, so its run finishes on it (the
-memory is freed when it does), and its next run loads the model again. GPU work is serialized by one
-process-wide lock (`gpu_turn`): a run that waits for it says so.
+memory is freed when it does), and its next run loads the model again. Model work is serialized by
+one process-wide lock (`gpu_turn`): a run that waits for it says so. It runs on one long-lived thread
+(`kitty_core.gpu_thread`), not on the script run's own thread, which Streamlit starts afresh for
+every run; progress bars and streamed text are called back on the script's thread.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import streamlit as st
 import torch
 
 from kitty_core import PRESETS, ModelLoadError, load_model, parse_method
-from kitty_core.allocator import gpu_lab_note
+from kitty_core.gpu_thread import GpuThread
 from kitty_core.models import LoadedModel
 from kitty_core.sharding import placement_summary
 
@@ -51,14 +53,22 @@ def gpu_lock() -> threading.Lock:
     return threading.Lock()
 
 
+@st.cache_resource
+def gpu_thread() -> GpuThread:
+    """The thread every model run of the lab is made on, whichever tab and script run asks."""
+    return GpuThread()
+
+
 ALL_GPUS = "all GPUs"  # the device choice, where several are visible, of a model split by layers over them
 
 
 @contextmanager
 def gpu_turn(what: str = "This run", tell_wait: bool = True):
-    """Hold the GPU lock for a run. If another tab's run holds it, say so while waiting (and, once
-    the turn comes, how long it waited: `tell_wait`, off inside a cached function, whose elements
-    Streamlit replays on every later hit), rather than show the old output greyed with no word."""
+    """Hold the GPU lock for a run; yields the `GpuThread` to make the run's calls on
+    (`gpu.call(fn, ..., progress=on_caller(bar))`). If another tab's run holds the lock, say so
+    while waiting (and, once the turn comes, how long it waited: `tell_wait`, off inside a cached
+    function, whose elements Streamlit replays on every later hit), rather than show the old output
+    greyed with no word."""
     lock = gpu_lock()
     if not lock.acquire(blocking=False):
         t0 = time.monotonic()
@@ -73,7 +83,7 @@ def gpu_turn(what: str = "This run", tell_wait: bool = True):
         else:
             note.empty()
     try:
-        yield
+        yield gpu_thread()
     finally:
         lock.release()
 
@@ -171,8 +181,6 @@ def sidebar() -> Frame:
         sb.caption(f"GPU memory in use: {' + '.join(used)} GiB")
     elif not torch.cuda.is_available():
         sb.caption("No GPU here: the reference engine runs on the CPU.")
-    if note := gpu_lab_note(lm.device.type):
-        sb.warning(note)
     sb.caption(f"Models kept loaded: at most {MODELS_KEPT} (model, device, dtype) choices, shared by every tab; "
                "a further one drops the least recently used, after any run on it ends.")
     return Frame(lm, (name, device, dtype), method, text)
@@ -185,8 +193,8 @@ def cached_capture(model_key: tuple, text: str, tokens: int):
 
     lm = get_model(*model_key)
     ids = lm.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[:, :tokens]
-    with gpu_turn("The capture", tell_wait=False):
-        return capture(lm.model, ids)
+    with gpu_turn("The capture", tell_wait=False) as gpu:
+        return gpu.call(capture, lm.model, ids)
 
 
 @st.cache_data(max_entries=4, show_spinner="Channel statistics ...")
@@ -202,8 +210,8 @@ def cached_sensitivity(model_key: tuple, text: str, tokens: int, layer: int):
     from kitty_core.probe import sensitivity
 
     cap = cached_capture(model_key, text, tokens)
-    with gpu_turn("The sensitivity probe", tell_wait=False):
-        return sensitivity(cap, layer)
+    with gpu_turn("The sensitivity probe", tell_wait=False) as gpu:
+        return gpu.call(sensitivity, cap, layer)
 
 
 def duration(seconds: float) -> str:

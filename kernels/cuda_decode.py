@@ -28,7 +28,11 @@ SOURCE = Path(__file__).parent / "cuda" / "decode.cu"
 HEAD_DIM = GROUP = 128
 BOOSTED = (0, 16, 32, 64)  # boosted channel counts with a build
 MAX_REP = 8  # query heads per KV head (the n = 8 operand)
-WARPS = 4  # programs (warps) per block: 2 blocks an SM at 2 stages
+WARPS = 4  # programs (warps) per block: 2 blocks an SM at two cp.async stages, 3 at one
+# Grids of more than DEEP_WAVES waves (at two blocks an SM) take one stage. On one H200 (Qwen3-8B
+# heads, bf16, `docs/engine.md`) one stage took 6-11% off the step at 544 x 4,704 and 256 x 16,384
+# tokens (8 waves) and was 2-3% slower at 64 x 8,192 and 8 x 32,768 (one wave)
+DEEP_WAVES = 2
 
 _BINDING = r"""
 #include <vector>
@@ -94,10 +98,12 @@ def _build(n_boost: int, stages: int):
     )
 
 
-def build(n_boost: int, stages: int = 2) -> str | None:
-    """Build (or load) the kernel for `n_boost`; the error's text where that fails, else None."""
+def build(n_boost: int) -> str | None:
+    """Build (or load) the kernel for `n_boost` at both pipeline depths the launch plan picks from, so
+    that no build falls inside a CUDA graph's capture; the error's text where that fails, else None."""
     try:
-        _build(n_boost, stages)
+        for stages in (1, 2):
+            _build(n_boost, stages)
     except Exception as e:  # noqa: BLE001 - any toolchain failure means: use Triton
         return f"the CUDA build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
     return None
@@ -164,17 +170,20 @@ def page_partials(q: torch.Tensor, k_pages: dict, v_pages: dict, k_table: torch.
         raise RuntimeError(f"the CUDA page kernel did not launch (error {err})")
 
 
-def launch_plan(pairs: int, slots: int, sms: int) -> int:
-    """Pages per program for `pairs` (sequence, KV head) runs of up to `slots` packed pages on `sms`
-    SMs: the largest power of two up to 32 that still fills about one wave of programs (an SM holds
-    2 x WARPS of them): long runs keep the cp.async pipeline full and write few partials, and one
-    wave keeps every SM streaming. `python -m kitty_core.bench kernels --cuda --ppp 4,8,16,32` times
-    the others."""
+def launch_plan(pairs: int, slots: int, sms: int, pages_per_program: int | None = None) -> tuple[int, int]:
+    """(pages per program, cp.async stages) for `pairs` (sequence, KV head) runs of up to `slots` packed
+    pages on `sms` SMs. Pages per program, unless given: the largest power of two up to 32 that still
+    fills about one wave of programs (an SM holds 2 x WARPS of them at two stages): long runs keep the
+    pipeline full and write few partials, and one wave keeps every SM streaming. Stages: two (each
+    warp's next page in flight while it computes one) where the grid is up to DEEP_WAVES waves; one
+    on deeper grids, where a block's 57 KiB instead of 97 KiB of shared memory lets three blocks
+    share an SM instead of two, and the extra warps hide more latency than a warp's own prefetch.
+    `python -m kitty_core.bench kernels --cuda --ppp 4,8,16,32` times other pages per program."""
     resident = sms * 2 * WARPS
-    for ppp in (32, 16, 8, 4):
-        if pairs * -(-slots // ppp) >= 0.9 * resident:
-            return ppp
-    return 2
+    ppp = pages_per_program
+    if ppp is None:
+        ppp = next((p for p in (32, 16, 8, 4) if pairs * -(-slots // p) >= 0.9 * resident), 2)
+    return ppp, 1 if pairs * -(-slots // ppp) > DEEP_WAVES * resident else 2
 
 
 @functools.lru_cache
@@ -184,15 +193,16 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                      state: dict | None = None, pages_per_program: int | None = None,
-                     new: tuple | None = None) -> torch.Tensor:
+                     new: tuple | None = None, stages: int | None = None) -> torch.Tensor:
     """`kernels.decode.decode_attention` with its page launch done by the CUDA kernel: the Triton tail
-    (on a second stream) and combine as they are. The caller checks `unsupported` first."""
+    (on a second stream) and combine as they are. Pages per program and stages from `launch_plan`
+    unless given. The caller checks `unsupported` first."""
     from .decode import decode_launches
 
     st = state if state is not None else layer.kernel_state()
     b, hq = query.shape[:2]
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-    ppp = pages_per_program or launch_plan(b * layer.heads, st["max_slots"], sms)
+    ppp, planned = launch_plan(b * layer.heads, st["max_slots"], sms, pages_per_program)
     (tail, pages, combine), out = decode_launches(layer, query, scaling, workspace, st, pages_per_program=ppp, new=new)
     args = pages[2]
     m, l, acc = args[-9], args[-8], args[-7]  # the partials, as decode_launches passes them
@@ -203,7 +213,7 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     if pool_layout(st["k_pages"], st["v_pages"]):
         page_partials(query[:, :, 0], st["k_pages"], st["v_pages"], st["k_table"], st["v_table"], st["n_vpages"],
                       m, l, acc, rep=hq // layer.heads, first_chunk=first, pages_per_program=ppp, chunks=chunks,
-                      scaling=scaling)
+                      scaling=scaling, stages=stages or planned)
     else:  # a layer with no pages yet holds a stand-in page, not the pool's layout: Triton's launch
         kernel, grid, pargs, options = pages
         kernel[grid](*pargs, **options)
@@ -216,7 +226,7 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     return out
 
 
-def _plan(layer, slots: int) -> int:
+def _plan(layer, slots: int) -> tuple[int, int]:
     sms = torch.cuda.get_device_properties(layer.device).multi_processor_count
     return launch_plan(layer.batch * layer.heads, slots, sms)
 
@@ -229,7 +239,7 @@ def step_workspace(layer, q_heads: int, workspace: dict) -> list[torch.Tensor]:
     slots = layer.capacity_slots()
     state = dict(layer.kernel_state(), max_slots=slots)
     q = torch.zeros(layer.batch, q_heads, 1, layer.head_dim, device=layer.device, dtype=layer.dtype)
-    decode_launches(layer, q, 1.0, workspace, state, pages_per_program=_plan(layer, slots))
+    decode_launches(layer, q, 1.0, workspace, state, pages_per_program=_plan(layer, slots)[0])
     return [workspace["m"], workspace["l"], workspace["acc"]]
 
 
@@ -252,7 +262,7 @@ class DecodeStep:
         key = (query.shape, query.dtype, q.stride(), kn.stride(), vn.stride(), scaling)
         if key != self.key or kn.stride(-1) != 1 or vn.stride(-1) != 1:
             st = self.layer.kernel_state()
-            ppp = _plan(self.layer, st["max_slots"])
+            ppp, stages = _plan(self.layer, st["max_slots"])
             (tail, pages, combine), out = decode_launches(self.layer, query, scaling, self.workspace, st,
                                                           pages_per_program=ppp,
                                                           new=(key_new, value_new, self.layer.steps.write))
@@ -263,7 +273,7 @@ class DecodeStep:
             self.pages = dict(k_pages=st["k_pages"], v_pages=st["v_pages"], k_table=st["k_table"],
                               v_table=st["v_table"], n_vpages=st["n_vpages"], m=m, l=l, acc=acc,
                               rep=query.shape[1] // self.layer.heads, first_chunk=m.shape[2] - chunks,
-                              pages_per_program=ppp, chunks=chunks, scaling=scaling)
+                              pages_per_program=ppp, chunks=chunks, scaling=scaling, stages=stages)
             self.key, kn, vn = key, tail[2][n], tail[2][n + 3]
         else:
             out = torch.empty(query.shape, device=query.device, dtype=query.dtype)  # as decode_launches makes it

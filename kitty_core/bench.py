@@ -139,7 +139,6 @@ if __name__ == "__main__":
 
 import json  # noqa: E402
 import shlex  # noqa: E402
-import subprocess  # noqa: E402
 
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
@@ -333,12 +332,6 @@ def run_app(a) -> int:
     from .lab_timing import time_app, time_lab
 
     if a.headless:
-        from .allocator import VARIABLE, lab_environment, pymalloc_in_use
-
-        if torch.cuda.is_available() and pymalloc_in_use():  # the allocator a GPU lab needs: a child with it
-            print(f"bench app: running in a child process with {VARIABLE}=malloc, as the lab on a GPU runs "
-                  "(kitty_core.allocator)", file=sys.stderr, flush=True)
-            return subprocess.run([sys.executable, "-m", "kitty_core.bench", *a.argv], env=lab_environment()).returncode
         with progress_bar("lab steps", "step") as progress:
             steps = time_lab(progress=progress)
         print(steps.round(1).to_string(index=False), flush=True)

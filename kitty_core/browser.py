@@ -28,19 +28,13 @@ def _free_port() -> int:
 @contextmanager
 def serve_app(log_path: Path, start_timeout_s: float = 90):
     """Run the app headless on 127.0.0.1 and yield its URL; the server's output goes to log_path
-    (a file, not a pipe: an unread pipe would block the server). On a machine with a GPU the server
-    runs with the C library's allocator (`kitty_core.allocator`)."""
-    import torch
-
-    from .allocator import lab_environment
-
+    (a file, not a pipe: an unread pipe would block the server)."""
     port = _free_port()
-    env = lab_environment() if torch.cuda.is_available() else None  # the allocator a GPU lab needs
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.port",
              str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.time() + start_timeout_s

@@ -203,7 +203,7 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), q_heads=32, kv_heads=8
             for ppp in pages_per_program:
                 rows.append({
                     "batch": batch, "length": length, "boost_rate": boost,
-                    "ppp": ppp or cuda_decode.launch_plan(batch * kv_heads, state["max_slots"], sms),
+                    **dict(zip(("ppp", "stages"), cuda_decode.launch_plan(batch * kv_heads, state["max_slots"], sms, ppp))),
                     "cuda_ms": ms[ppp], "triton_ms": ms["triton"], "cudnn_ms": ms["cudnn"],
                     "cuda_vs_cudnn": ms["cudnn"] / ms[ppp], "triton_vs_cudnn": ms["cudnn"] / ms["triton"],
                     "cuda_vs_triton": ms["triton"] / ms[ppp], "packed_bytes": read,

@@ -7,6 +7,7 @@ from plotly.subplots import make_subplots
 
 from kitty_app import DATA, Progress, gpu_turn, sidebar
 from kitty_core.evaluate import boost_sweep, curve_rule, pareto_front, rule_curves
+from kitty_core.gpu_thread import on_caller
 from kitty_core.results import ResultFileError, read_accuracy
 
 DEFAULT_FILE = "rules_demo_cpu.json"  # a dense sweep on the demo model, CPU: every rule, boost 0 to 1
@@ -53,10 +54,10 @@ else:
         st.error("Pick at least one rule and one boost rate.")
         st.stop()
     try:
-        with st.status("Scoring every method against FP16 ...") as status, gpu_turn("The sweep"):
-            df = boost_sweep(frame.lm.model, frame.lm.tokenizer, rates=sorted(rates), rules=rules, text=frame.text,
-                             context=context, continuation=continuation, windows=windows,
-                             progress=Progress("Methods scored"))
+        with st.status("Scoring every method against FP16 ...") as status, gpu_turn("The sweep") as gpu:
+            df = gpu.call(boost_sweep, frame.lm.model, frame.lm.tokenizer, rates=sorted(rates), rules=rules,
+                          text=frame.text, context=context, continuation=continuation, windows=windows,
+                          progress=on_caller(Progress("Methods scored")))
             status.update(label="Done", state="complete")
     except ValueError as err:
         st.error(str(err))

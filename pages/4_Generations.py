@@ -11,6 +11,7 @@ from kitty_app import DATA, TEXT, Progress, gpu_turn, sidebar
 from kitty_core import PRESETS
 from kitty_core.cli import numbers
 from kitty_core.generate import compare_generations, long_context, read_generations
+from kitty_core.gpu_thread import on_caller
 from kitty_core.lm_eval import read_table, summary
 from kitty_core.lm_eval_tasks import TITLES
 from kitty_core.passkey import passkey_prompt, run_passkey
@@ -159,9 +160,9 @@ elif result is None or run_it:
 
     try:
         bar = Progress("Tokens generated and scored")
-        with gpu_turn("The generation"):
-            texts, kl = compare_generations(frame.lm.model, tok, prompt, methods, new_tokens, chat=chat,
-                                            on_text=stream, progress=bar)
+        with gpu_turn("The generation") as gpu:
+            texts, kl = gpu.call(compare_generations, frame.lm.model, tok, prompt, methods, new_tokens, chat=chat,
+                                 on_text=on_caller(stream), progress=on_caller(bar))
         bar.clear()
         result = (texts, kl, f"run here: {frame.lm.name} on {frame.lm.device}")
         done = finished()
@@ -217,9 +218,9 @@ if args:
     try:
         if pk_key not in passkey_runs():
             bar = Progress("Methods x lengths asked")
-            with gpu_turn("The passkey run"):
-                found = run_passkey(frame.lm.model, tok, list(args[0]), list(args[1]), list(args[2]), args[3],
-                                    progress=bar)
+            with gpu_turn("The passkey run") as gpu:
+                found = gpu.call(run_passkey, frame.lm.model, tok, list(args[0]), list(args[1]), list(args[2]),
+                                 args[3], progress=on_caller(bar))
             bar.clear()
             runs = passkey_runs()
             runs[pk_key] = found

@@ -232,11 +232,12 @@ if go:
     bar = Progress("Sweep stages done")
     status = st.status("Sweeping ...", expanded=True)
     live = st.empty()
-    with gpu_turn("The sweep"):
+    with gpu_turn("The sweep") as gpu:
         try:
             # on a GPU, this library's caches decode from CUDA graphs, as `bench e2e` does by default
-            for what, row in sweep(frame.lm.model, caches, prompt, generate, equal,
-                                   int(budget * 2**30) if budget else None, points=3, start=1, decode="compiled"):
+            for what, row in gpu.iterate(sweep, frame.lm.model, caches, prompt, generate, equal,
+                                         int(budget * 2**30) if budget else None, points=3, start=1,
+                                         decode="compiled"):
                 state[{"probe": "probes", "point": "points", "skip": "skipped"}[what]].append(row)
                 if what == "probe":
                     status.write(f"{row['cache']} at batch {row['batch']}: "

@@ -12,6 +12,7 @@ from plotly.subplots import make_subplots
 from kitty_app import DATA, TEXT, gpu_turn, sidebar
 from kitty_core import parse_method
 from kitty_core.attribution import MODES, analyse, attention_map, page_error, read_saved
+from kitty_core.gpu_thread import on_caller
 from kitty_core.results import ResultFileError
 
 frame = sidebar()
@@ -66,15 +67,16 @@ else:
     run_key = (frame.model_key, frame.text, method, context, continuation, tuple(modes))
     if go_live and run_key not in finished():
         try:
-            with st.status(f"Scoring {method} layer by layer against FP16 ...") as status, gpu_turn("The scoring"):
+            with (st.status(f"Scoring {method} layer by layer against FP16 ...") as status,
+                  gpu_turn("The scoring") as gpu):
                 bar, t0 = st.progress(0.0), time.perf_counter()
 
                 def progress(done: int, total: int, label: str) -> None:
                     left = (time.perf_counter() - t0) / done * (total - done)
                     bar.progress(done / total, text=f"{label} ({done}/{total}, about {left:.0f} s left)")
 
-                found = analyse(frame.lm.model, frame.lm.tokenizer, frame.text, [method], context, continuation,
-                                modes, progress=progress)
+                found = gpu.call(analyse, frame.lm.model, frame.lm.tokenizer, frame.text, [method], context,
+                                 continuation, modes, progress=on_caller(progress))
                 status.update(label="Done", state="complete")
         except ValueError as err:
             st.error(str(err))
@@ -142,8 +144,8 @@ def capture_for(model_key: tuple, text: str, context: int, continuation: int):
     from kitty_core.probe import capture
 
     lm = get_model(*model_key)
-    with gpu_turn("The probe", tell_wait=False):
-        return capture(lm.model, token_ids(lm.tokenizer, text, context, continuation))
+    with gpu_turn("The probe", tell_wait=False) as gpu:
+        return gpu.call(capture, lm.model, token_ids(lm.tokenizer, text, context, continuation))
 
 
 def current_capture():

@@ -46,11 +46,22 @@ def test_cuda_page_kernel_matches_reference(boost, dtype):
     triton = decode_attention(layer, q, D**-0.5).float()
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=5e-3, rtol=1e-2)
     for ppp in (None, 1, 2, 32):
-        out = cuda_decode.decode_attention(layer, q, D**-0.5, pages_per_program=ppp).float()
-        assert out.shape == ref.shape
-        torch.testing.assert_close(out, ref, **tol)
-        # as close to the reference as the Triton kernel, give or take the partials' rounding
-        assert (out - ref).abs().max() <= 2 * (triton - ref).abs().max() + 4e-3
+        for stages in (1, 2):  # the launch plan's two pipeline depths
+            out = cuda_decode.decode_attention(layer, q, D**-0.5, pages_per_program=ppp, stages=stages).float()
+            assert out.shape == ref.shape
+            torch.testing.assert_close(out, ref, **tol)
+            # as close to the reference as the Triton kernel, give or take the partials' rounding
+            assert (out - ref).abs().max() <= 2 * (triton - ref).abs().max() + 4e-3
+
+
+def test_launch_plan_takes_one_stage_only_for_grids_of_several_waves():
+    # Qwen3-8B heads (8 KV heads) on 132 SMs: (pages per program, stages)
+    assert cuda_decode.launch_plan(64 * 8, 68, 132) == (32, 2)  # 64 x 8K: one wave
+    assert cuda_decode.launch_plan(8 * 8, 260, 132) == (16, 2)  # 8 x 32K
+    assert cuda_decode.launch_plan(8, 1028, 132) == (8, 2)  # 1 x 128K
+    assert cuda_decode.launch_plan(544 * 8, 37, 132) == (32, 1)  # 544 x 4.7K: eight waves
+    assert cuda_decode.launch_plan(256 * 8, 129, 132) == (32, 1)  # 256 x 16K
+    assert cuda_decode.launch_plan(544 * 8, 37, 132, pages_per_program=2) == (2, 1)
 
 
 @pytest.mark.gpu

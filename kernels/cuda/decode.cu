@@ -31,7 +31,9 @@
 //
 // Pipelining: each warp streams its pages through STAGES shared-memory buffers with cp.async
 // (page p + STAGES - 1 is in flight while page p is computed); a page's planes, scales and boost
-// index are one group. Shared-memory rows are XOR-swizzled so that the fragment reads hit distinct
+// index are one group. With one stage a warp waits for each page's copy, and other warps hide it:
+// the block's smaller footprint lets three blocks share an SM instead of two (`launch_plan` in
+// `kernels/cuda_decode.py` takes one stage for deep grids only). Shared-memory rows are XOR-swizzled so that the fragment reads hit distinct
 // banks.
 
 #include <cuda_fp16.h>

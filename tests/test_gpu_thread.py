@@ -1,0 +1,117 @@
+"""kitty_core.gpu_thread: every call on one thread, callbacks and items on the caller's."""
+
+import threading
+
+import pytest
+
+from kitty_core.gpu_thread import GpuThread, on_caller
+
+
+class Stopped(Exception):
+    pass
+
+
+def _work(n, progress):
+    for i in range(n):
+        progress(i, threading.current_thread())
+    return threading.current_thread()
+
+
+def _items(n, closed):
+    try:
+        for i in range(n):
+            yield i, threading.current_thread()
+    finally:
+        closed.append(threading.current_thread())
+
+
+def test_calls_from_any_thread_run_on_one_thread_and_callbacks_on_the_caller():
+    gpu, seen = GpuThread(), []
+
+    def progress(i, worker):
+        seen.append((i, worker, threading.current_thread()))
+
+    first = gpu.call(_work, 2, progress=on_caller(progress))
+    box = []
+    other = threading.Thread(
+        target=lambda: box.append((gpu.call(_work, 1, on_caller(progress)), threading.current_thread())))
+    other.start()
+    other.join()
+    second, caller = box[0]
+    assert first is second and first is not threading.current_thread()
+    here = threading.current_thread()
+    assert seen == [(0, first, here), (1, first, here),
+                    (0, first, caller)]
+
+
+def test_a_callbacks_exception_ends_the_work_and_reaches_the_caller():
+    gpu, reached = GpuThread(), []
+
+    def stop(i, worker):
+        reached.append(i)
+        raise Stopped("pressed")
+
+    with pytest.raises(Stopped, match="pressed"):
+        gpu.call(_work, 5, progress=on_caller(stop))
+    assert reached == [0]  # the work ended at its first callback
+    with pytest.raises(ZeroDivisionError):
+        gpu.call(lambda: 1 / 0)
+    assert gpu.call(lambda: 7) == 7  # the thread lives on
+
+
+def test_iterate_hands_items_over_and_closes_the_generator_on_the_gpu_thread():
+    gpu, closed = GpuThread(), []
+    got = list(gpu.iterate(_items, 3, closed))
+    worker = got[0][1]
+    assert [i for i, _ in got] == [0, 1, 2] and {w for _, w in got} == {worker} and closed == [worker]
+    for i, _ in gpu.iterate(_items, 10, closed):
+        if i == 1:
+            break
+    assert closed == [worker, worker]  # closed by the break, on the GPU thread
+    with pytest.raises(Stopped):
+        for i, _ in gpu.iterate(_items, 10, closed):
+            raise Stopped
+    assert len(closed) == 3
+
+
+def test_iterate_raises_the_producers_exception_after_its_items():
+    def broken():
+        yield 1
+        raise ValueError("producer")
+
+    gpu, got = GpuThread(), []
+    with pytest.raises(ValueError, match="producer"):
+        for x in gpu.iterate(broken):
+            got.append(x)
+    assert got == [1]
+
+
+def test_a_call_made_on_the_gpu_thread_runs_inline():
+    gpu = GpuThread()
+    assert gpu.call(lambda: gpu.call(threading.current_thread)) is gpu.call(threading.current_thread)
+    assert gpu.call(lambda: list(gpu.iterate(_items, 2, []))[1][0]) == 1
+
+
+def test_the_labs_runs_share_one_thread_across_script_runs():
+    """Streamlit starts a thread per script run; the lab's model calls (`gpu_turn`) all run on one."""
+    from streamlit.testing.v1 import AppTest
+
+    def script():
+        import threading
+
+        import streamlit as st
+
+        from kitty_app import gpu_turn
+        from kitty_core.gpu_thread import on_caller
+
+        with gpu_turn("The test run") as gpu:
+            worker = gpu.call(threading.current_thread)
+            gpu.call(lambda tick: tick(), tick=on_caller(lambda: st.write("called back")))
+        runs = st.session_state.setdefault("runs", [])
+        runs.append((worker, threading.current_thread()))
+
+    at = AppTest.from_function(script, default_timeout=60).run()
+    at.run()
+    (w1, s1), (w2, s2) = at.session_state["runs"]
+    assert not at.exception and at.markdown[0].value == "called back"
+    assert w1 is w2 and s1 is not s2 and w1 not in (s1, s2)
