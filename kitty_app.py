@@ -7,10 +7,12 @@ gets the same sidebar whichever page a user opens first. The sidebar's choices l
 Models: the last `MODELS_KEPT` (model, device, dtype) choices stay loaded, shared by every browser
 tab (`st.cache_resource`); a further choice drops the least recently used. A tab that is running on
 a model that another tab's choice dropped keeps its own reference, so its run finishes on it (the
-memory is freed when it does), and its next run loads the model again. Model work is serialized by
-one process-wide lock (`gpu_turn`): a run that waits for it says so. It runs on one long-lived thread
-(`kitty_core.gpu_thread`), not on the script run's own thread, which Streamlit starts afresh for
-every run; progress bars and streamed text are called back on the script's thread.
+memory is freed when it does), and its next run loads the model again. Model runs are serialized by
+one process-wide lock (`gpu_turn`): a run that waits for it says so. Model loads and runs (forward
+passes, compiled and graphed decoding) are made on one long-lived thread (`kitty_core.gpu_thread`),
+not on the script run's own thread, which Streamlit starts afresh for every run; progress bars and
+streamed text are called back on the script's thread. Small tensor operations on results already
+computed (statistics, heatmaps) stay on the script's thread.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import streamlit as st
 import torch
 
 from kitty_core import PRESETS, ModelLoadError, load_model, parse_method
-from kitty_core.gpu_thread import GpuThread
+from kitty_core.gpu_thread import GpuThread, shared
 from kitty_core.models import LoadedModel
 from kitty_core.sharding import placement_summary
 
@@ -53,10 +55,10 @@ def gpu_lock() -> threading.Lock:
     return threading.Lock()
 
 
-@st.cache_resource
 def gpu_thread() -> GpuThread:
-    """The thread every model run of the lab is made on, whichever tab and script run asks."""
-    return GpuThread()
+    """The thread the lab's model loads and runs are made on, whichever tab and script run asks
+    (the process's, not a cached resource: clearing Streamlit's caches does not make a second)."""
+    return shared()
 
 
 ALL_GPUS = "all GPUs"  # the device choice, where several are visible, of a model split by layers over them
@@ -109,9 +111,9 @@ def get_model(name: str, device: str, dtype: str) -> LoadedModel:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         if device == ALL_GPUS:  # whole layers placed across the GPUs by accelerate (`kitty_core.sharding`)
-            models[key] = load_model(name, dtype=dtype, device_map="auto")
+            models[key] = gpu_thread().call(load_model, name, dtype=dtype, device_map="auto")
         else:
-            models[key] = load_model(name, device=device, dtype=dtype)
+            models[key] = gpu_thread().call(load_model, name, device=device, dtype=dtype)
         return models[key]
 
 

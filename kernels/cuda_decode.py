@@ -31,7 +31,8 @@ MAX_REP = 8  # query heads per KV head (the n = 8 operand)
 WARPS = 4  # programs (warps) per block: 2 blocks an SM at two cp.async stages, 3 at one
 # Grids of more than DEEP_WAVES waves (at two blocks an SM) take one stage. On one H200 (Qwen3-8B
 # heads, bf16, `docs/engine.md`) one stage took 6-11% off the step at 544 x 4,704 and 256 x 16,384
-# tokens (8 waves) and was 2-3% slower at 64 x 8,192 and 8 x 32,768 (one wave)
+# tokens (8 waves) and moved it by -2% to +3.5% on the grids of about one wave (64 x 8,192,
+# 8 x 32,768, 1 x 131,072). Every build fits three blocks an SM at one stage (148-168 registers)
 DEEP_WAVES = 2
 
 _BINDING = r"""
@@ -143,6 +144,8 @@ def page_partials(q: torch.Tensor, k_pages: dict, v_pages: dict, k_table: torch.
     hkv = kd.shape[1]
     if not 1 <= pages_per_program <= 32:
         raise ValueError(f"pages_per_program must be in [1, 32], got {pages_per_program}")
+    if stages not in (1, 2):  # the depths `build` compiles ahead of any graph capture
+        raise ValueError(f"stages must be 1 or 2, got {stages}")
     _planes_ok("key dense plane", kd)
     if nb:
         _planes_ok("key high plane", kh)
@@ -176,9 +179,9 @@ def launch_plan(pairs: int, slots: int, sms: int, pages_per_program: int | None 
     fills about one wave of programs (an SM holds 2 x WARPS of them at two stages): long runs keep the
     pipeline full and write few partials, and one wave keeps every SM streaming. Stages: two (each
     warp's next page in flight while it computes one) where the grid is up to DEEP_WAVES waves; one
-    on deeper grids, where a block's 57 KiB instead of 97 KiB of shared memory lets three blocks
-    share an SM instead of two, and the extra warps hide more latency than a warp's own prefetch.
-    `python -m kitty_core.bench kernels --cuda --ppp 4,8,16,32` times other pages per program."""
+    on deeper grids, where a block's 57 KiB instead of 97 KiB of shared memory (at 25% boost) lets
+    three blocks share an SM instead of two, and the extra warps hide more latency than a warp's own
+    prefetch. `python -m kitty_core.bench kernels --cuda --ppp 4,8,16,32 --stages 1,2` times others."""
     resident = sms * 2 * WARPS
     ppp = pages_per_program
     if ppp is None:

@@ -64,6 +64,8 @@ def arguments():
                    "kernel and cuDNN SDPA on FP16")
     k.add_argument("--ppp", default=None, help="with --cuda: the CUDA kernel's pages per program, comma-separated "
                    "(default: its launch plan)")
+    k.add_argument("--stages", default=None, help="with --cuda: the CUDA kernel's cp.async stages, 1, 2 or 1,2 "
+                   "(default: its launch plan)")
     e = sub.add_parser("e2e", help="a whole model generating: max batch, memory, throughput per cache",
                        formatter_class=p.formatter_class)
     _model_options(e)
@@ -373,8 +375,9 @@ def run_kernels(a) -> int:
         return 0
     if a.cuda:
         ppps = [int(x) for x in a.ppp.split(",")] if a.ppp else [None]
+        stages = [int(x) for x in a.stages.split(",")] if a.stages else [None]
         with progress_bar("kernels", "setting") as progress:
-            df = bench_cuda(shapes, [float(x) for x in a.boost.split(",")], ppps, progress=progress)
+            df = bench_cuda(shapes, [float(x) for x in a.boost.split(",")], ppps, stages, progress=progress)
         if a.out:
             write_csv(a.out, df.assign(device=torch.cuda.get_device_name(), torch=torch.__version__))
         return 0

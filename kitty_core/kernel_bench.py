@@ -153,12 +153,13 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
     return pd.DataFrame(rows)
 
 
-def bench_cuda(shapes, boosts, pages_per_program=(None,), q_heads=32, kv_heads=8, head_dim=128,
+def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_heads=32, kv_heads=8, head_dim=128,
                dtype=torch.bfloat16, rounds=5, progress=None) -> pd.DataFrame:
     """Per shape and boost rate: the fused step with the CUDA page kernel (`kernels.cuda_decode`, per
-    pages-per-program setting), the Triton fused step and SDPA on an FP16 cache forced to cuDNN, as
-    CUDA-graph replays timed in `rounds` interleaved rounds (the median of the rounds' medians); the
-    packed bytes each step reads and both outputs' largest difference from the reference."""
+    pages-per-program and cp.async-stages setting, None: the launch plan's), the Triton fused step
+    and SDPA on an FP16 cache forced to cuDNN, as CUDA-graph replays timed in `rounds` interleaved
+    rounds (the median of the rounds' medians); the packed bytes each step reads and both outputs'
+    largest difference from the reference."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kernels import cuda_decode
@@ -187,12 +188,13 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), q_heads=32, kv_heads=8
             triton = lambda: decode_attention(layer, q, scale, ws_t, state)  # noqa: E731
             err_t = (triton().float() - ref).abs().max().item()
             fns = {"triton": graphed(triton), "cudnn": cudnn_g}
-            errs = {}
-            for ppp in pages_per_program:
+            errs, variants = {}, [(ppp, st) for ppp in pages_per_program for st in stages]
+            for ppp, st in variants:
                 ws = {}
-                fn = lambda ws=ws, ppp=ppp: cuda_decode.decode_attention(layer, q, scale, ws, state, ppp)  # noqa: E731
-                errs[ppp] = (fn().float() - ref).abs().max().item()
-                fns[ppp] = graphed(fn)
+                fn = lambda ws=ws, ppp=ppp, st=st: cuda_decode.decode_attention(  # noqa: E731
+                    layer, q, scale, ws, state, ppp, stages=st)
+                errs[ppp, st] = (fn().float() - ref).abs().max().item()
+                fns[ppp, st] = graphed(fn)
             times = {name: [] for name in fns}
             for _ in range(rounds):
                 for name, g in fns.items():
@@ -200,16 +202,17 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), q_heads=32, kv_heads=8
             ms = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
             read = sum(layer.nbytes().values()) + q.numel() * q.element_size()
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-            for ppp in pages_per_program:
+            for ppp, st in variants:
+                planned_ppp, planned_st = cuda_decode.launch_plan(batch * kv_heads, state["max_slots"], sms, ppp)
                 rows.append({
-                    "batch": batch, "length": length, "boost_rate": boost,
-                    **dict(zip(("ppp", "stages"), cuda_decode.launch_plan(batch * kv_heads, state["max_slots"], sms, ppp))),
-                    "cuda_ms": ms[ppp], "triton_ms": ms["triton"], "cudnn_ms": ms["cudnn"],
-                    "cuda_vs_cudnn": ms["cudnn"] / ms[ppp], "triton_vs_cudnn": ms["cudnn"] / ms["triton"],
-                    "cuda_vs_triton": ms["triton"] / ms[ppp], "packed_bytes": read,
-                    "cuda_TBps": read / ms[ppp] / 1e9, "triton_TBps": read / ms["triton"] / 1e9,
+                    "batch": batch, "length": length, "boost_rate": boost, "ppp": planned_ppp,
+                    "stages": st or planned_st,
+                    "cuda_ms": ms[ppp, st], "triton_ms": ms["triton"], "cudnn_ms": ms["cudnn"],
+                    "cuda_vs_cudnn": ms["cudnn"] / ms[ppp, st], "triton_vs_cudnn": ms["cudnn"] / ms["triton"],
+                    "cuda_vs_triton": ms["triton"] / ms[ppp, st], "packed_bytes": read,
+                    "cuda_TBps": read / ms[ppp, st] / 1e9, "triton_TBps": read / ms["triton"] / 1e9,
                     "cudnn_TBps": 2 * k16.numel() * k16.element_size() / ms["cudnn"] / 1e9,
-                    "cuda_max_abs_err": errs[ppp], "triton_max_abs_err": err_t,
+                    "cuda_max_abs_err": errs[ppp, st], "triton_max_abs_err": err_t,
                 })
                 print(pd.DataFrame(rows[-1:]).to_string(index=False, header=len(rows) == 1,
                                                         float_format=lambda x: f"{x:.3f}"), flush=True)

@@ -55,13 +55,16 @@ def test_cuda_page_kernel_matches_reference(boost, dtype):
 
 
 def test_launch_plan_takes_one_stage_only_for_grids_of_several_waves():
-    # Qwen3-8B heads (8 KV heads) on 132 SMs: (pages per program, stages)
-    assert cuda_decode.launch_plan(64 * 8, 68, 132) == (32, 2)  # 64 x 8K: one wave
-    assert cuda_decode.launch_plan(8 * 8, 260, 132) == (16, 2)  # 8 x 32K
-    assert cuda_decode.launch_plan(8, 1028, 132) == (8, 2)  # 1 x 128K
+    # Qwen3-8B heads (8 KV heads) on 132 SMs, packed pages ceil((tokens - 32) / 128): (pages per program, stages)
+    assert cuda_decode.launch_plan(64 * 8, 64, 132) == (32, 2)  # 64 x 8K: one wave
+    assert cuda_decode.launch_plan(8 * 8, 256, 132) == (16, 2)  # 8 x 32K
+    assert cuda_decode.launch_plan(8, 1024, 132) == (8, 2)  # 1 x 128K
     assert cuda_decode.launch_plan(544 * 8, 37, 132) == (32, 1)  # 544 x 4.7K: eight waves
-    assert cuda_decode.launch_plan(256 * 8, 129, 132) == (32, 1)  # 256 x 16K
+    assert cuda_decode.launch_plan(256 * 8, 128, 132) == (32, 1)  # 256 x 16K
     assert cuda_decode.launch_plan(544 * 8, 37, 132, pages_per_program=2) == (2, 1)
+    # the boundary: 2 x 1,056 resident programs (two blocks of 4 warps on 132 SMs) stay at two stages
+    assert cuda_decode.launch_plan(2112, 32, 132) == (32, 2)
+    assert cuda_decode.launch_plan(2113, 32, 132) == (32, 1)
 
 
 @pytest.mark.gpu
@@ -106,11 +109,15 @@ def test_unsupported_says_why_without_a_gpu_or_for_other_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("device_steps", [False, True])
-def test_engine_with_cuda_pages_agrees_with_reference(device_steps):
+@pytest.mark.parametrize("deep_waves", [cuda_decode.DEEP_WAVES, 0])
+def test_engine_with_cuda_pages_agrees_with_reference(device_steps, deep_waves, monkeypatch):
     """A random decoder of Qwen3's head size: logits of decode steps after a 700-token prompt (pages
     of keys and of values) through `triton+pages=cuda`, on the host's record and from device
-    counters, against the reference engine; the CUDA kernel, not the fallback, read the pages."""
+    counters, against the reference engine; the CUDA kernel, not the fallback, read the pages, at
+    the depth the launch plan picks for this small grid (two stages) and with one stage forced."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    monkeypatch.setattr(cuda_decode, "DEEP_WAVES", deep_waves)
 
     from kitty_core import KittyCache
 

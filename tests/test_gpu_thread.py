@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from kitty_core.gpu_thread import GpuThread, on_caller
+from kitty_core.gpu_thread import GpuThread, on_caller, shared
 
 
 class Stopped(Exception):
@@ -90,6 +90,55 @@ def test_a_call_made_on_the_gpu_thread_runs_inline():
     gpu = GpuThread()
     assert gpu.call(lambda: gpu.call(threading.current_thread)) is gpu.call(threading.current_thread)
     assert gpu.call(lambda: list(gpu.iterate(_items, 2, []))[1][0]) == 1
+
+
+def test_iterate_relays_callbacks_and_raises_the_producers_cleanup_error_on_close():
+    def counted(n, progress):
+        for i in range(n):
+            progress(i)
+            yield i
+
+    gpu, seen = GpuThread(), []
+    assert list(gpu.iterate(counted, 3, on_caller(lambda i: seen.append((i, threading.current_thread()))))) == [0, 1, 2]
+    assert seen == [(i, threading.current_thread()) for i in range(3)]
+
+    def cleanup_fails():
+        try:
+            yield 1
+            yield 2
+        finally:
+            raise ValueError("cleanup")
+
+    it = gpu.iterate(cleanup_fails)
+    assert next(it) == 1
+    with pytest.raises(ValueError, match="cleanup"):  # as closing a plain generator raises it
+        it.close()
+
+
+def test_the_gpu_thread_never_waits_on_a_caller_that_is_gone():
+    gpu, kept = GpuThread(), []
+    gpu.call(lambda progress: kept.append(progress), progress=on_caller(lambda: None))
+    with pytest.raises(RuntimeError, match="stopped waiting"):  # a callback kept past its call
+        gpu.call(lambda: kept[0]())
+    it = gpu.iterate(_items, 5, [])
+    next(it)
+    it.close()  # a loop left by name: the producer ends, the thread is free
+    assert gpu.call(lambda: 3) == 3
+
+
+def test_a_callback_cannot_hand_work_to_the_gpu_thread():
+    gpu = GpuThread()
+
+    def nested():
+        return gpu.call(lambda: 1)
+
+    with pytest.raises(RuntimeError, match="cannot hand work"):
+        gpu.call(lambda cb: cb(), on_caller(nested))
+    with pytest.raises(RuntimeError, match="cannot hand work"):
+        for _ in gpu.iterate(_items, 2, []):
+            gpu.call(lambda: 1)
+    assert gpu.call(lambda: 2) == 2
+    assert shared() is shared()
 
 
 def test_the_labs_runs_share_one_thread_across_script_runs():

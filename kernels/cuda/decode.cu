@@ -442,7 +442,8 @@ int launch_t(const PageArgs& a, int warps, cudaStream_t stream) {
 }  // namespace kitty
 
 // One build holds one boosted-channel count and pipeline depth (both dtypes): each takes ~10 s of
-// nvcc, so a process builds only the ones its layers use.
+// nvcc, so a process builds only the boosted-channel counts its layers use (both depths of each:
+// the launch plan picks the depth by the grid's size).
 #ifndef KITTY_NB
 #define KITTY_NB 32
 #endif
