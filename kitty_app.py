@@ -8,11 +8,11 @@ Models: the last `MODELS_KEPT` (model, device, dtype) choices stay loaded, share
 tab (`st.cache_resource`); a further choice drops the least recently used. A tab that is running on
 a model that another tab's choice dropped keeps its own reference, so its run finishes on it (the
 memory is freed when it does), and its next run loads the model again. Model runs are serialized by
-one process-wide lock (`gpu_turn`): a run that waits for it says so. Model loads and runs (forward
-passes, compiled and graphed decoding) are made on one long-lived thread (`kitty_core.gpu_thread`),
-not on the script run's own thread, which Streamlit starts afresh for every run; progress bars and
-streamed text are called back on the script's thread. Small tensor operations on results already
-computed (statistics, heatmaps) stay on the script's thread.
+one process-wide lock (`gpu_turn`): a run that waits for it says so. They are made on one
+long-lived thread (`kitty_core.gpu_thread`), not on the script run's own thread, which Streamlit
+starts afresh for every run; progress bars and streamed text are called back on the script's
+thread. Loading a model, and small tensor operations on results already computed (statistics,
+heatmaps), stay on the script's thread: a tab can load a model while another tab's run goes on.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from pathlib import Path
 import streamlit as st
 import torch
 
-from kitty_core import PRESETS, ModelLoadError, load_model, parse_method
-from kitty_core.gpu_thread import GpuThread, shared
+from kitty_core import PRESETS, ModelLoadError, gpu_thread, load_model, parse_method
 from kitty_core.models import LoadedModel
 from kitty_core.sharding import placement_summary
 
@@ -53,12 +52,6 @@ MODELS_KEPT = max(1, int(os.environ.get("KITTY_LAB_MODELS", "2")))  # models kep
 @st.cache_resource
 def gpu_lock() -> threading.Lock:
     return threading.Lock()
-
-
-def gpu_thread() -> GpuThread:
-    """The thread the lab's model loads and runs are made on, whichever tab and script run asks
-    (the process's, not a cached resource: clearing Streamlit's caches does not make a second)."""
-    return shared()
 
 
 ALL_GPUS = "all GPUs"  # the device choice, where several are visible, of a model split by layers over them
@@ -85,7 +78,7 @@ def gpu_turn(what: str = "This run", tell_wait: bool = True):
         else:
             note.empty()
     try:
-        yield gpu_thread()
+        yield gpu_thread.shared()  # the process's, whatever caches Streamlit clears
     finally:
         lock.release()
 
@@ -111,9 +104,9 @@ def get_model(name: str, device: str, dtype: str) -> LoadedModel:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         if device == ALL_GPUS:  # whole layers placed across the GPUs by accelerate (`kitty_core.sharding`)
-            models[key] = gpu_thread().call(load_model, name, dtype=dtype, device_map="auto")
+            models[key] = load_model(name, dtype=dtype, device_map="auto")
         else:
-            models[key] = gpu_thread().call(load_model, name, device=device, dtype=dtype)
+            models[key] = load_model(name, device=device, dtype=dtype)
         return models[key]
 
 
