@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, Iterator
 
 
@@ -78,8 +78,10 @@ class GpuThread:
     """One worker thread for GPU work (see the module's docstring); `shared()` is the process's."""
 
     def __init__(self, name: str = "kitty-gpu"):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._thread: threading.Thread | None = None
+        # a daemon thread: a server stopped mid-run exits without waiting for the run to finish
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
 
     def on_thread(self) -> bool:
         """Is the current thread the GPU thread? (Calls made on it run inline, their callbacks too.)"""
@@ -92,7 +94,7 @@ class GpuThread:
             return fn(*_unwrapped(args), **dict(zip(kwargs, _unwrapped(kwargs.values()))))
         channel = self._channel()
         args, kwargs = channel.relayed(args), dict(zip(kwargs, channel.relayed(kwargs.values())))
-        job = self._pool.submit(self._enter, fn, *args, **kwargs)
+        job = self._submit(fn, *args, **kwargs)
         job.add_done_callback(lambda _: channel.requests.put(None))
         with _waiting(channel):
             while (request := channel.requests.get()) is not None:
@@ -119,7 +121,7 @@ class GpuThread:
             finally:
                 gen.close()
 
-        job = self._pool.submit(self._enter, produce)
+        job = self._submit(produce)
         job.add_done_callback(lambda _: channel.requests.put(None))
         leaving = None
         with _waiting(channel):
@@ -149,9 +151,19 @@ class GpuThread:
                                "busy with the call that waits for the callback")
         return _Channel()
 
-    def _enter(self, fn: Callable, *args, **kwargs) -> Any:
-        self._thread = threading.current_thread()
-        return fn(*args, **kwargs)
+    def _submit(self, fn: Callable, *args, **kwargs) -> Future:
+        job: Future = Future()
+        self._jobs.put((job, fn, args, kwargs))
+        return job
+
+    def _work(self) -> None:
+        while True:
+            job, fn, args, kwargs = self._jobs.get()
+            job.set_running_or_notify_cancel()
+            try:
+                job.set_result(fn(*args, **kwargs))
+            except BaseException as err:  # noqa: BLE001 - the caller's to raise; the thread serves on
+                job.set_exception(err)
 
 
 class _waiting:

@@ -141,6 +141,19 @@ def test_a_callback_cannot_hand_work_to_the_gpu_thread():
     assert shared() is shared()
 
 
+def test_a_process_exits_while_the_gpu_thread_is_busy():
+    """A server stopped mid-run does not wait for the run: the GPU thread is a daemon."""
+    import subprocess
+    import sys
+
+    busy = ("import threading, time; from kitty_core.gpu_thread import shared; started = threading.Event(); "
+            "work = lambda: (started.set(), time.sleep(3600)); "
+            "threading.Thread(target=shared().call, args=(work,), daemon=True).start(); "
+            "started.wait(); print('busy', flush=True)")
+    done = subprocess.run([sys.executable, "-c", busy], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "busy", done.stderr[-500:]
+
+
 def test_the_labs_runs_share_one_thread_across_script_runs():
     """Streamlit starts a thread per script run; the lab's model calls (`gpu_turn`) all run on one."""
     from streamlit.testing.v1 import AppTest
