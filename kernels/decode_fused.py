@@ -4,8 +4,9 @@ Launched by `decode.decode_launches`; program (sequence x KV head, chunk):
     `_decode_tail_kernel`   chunk 0: the FP16 sink; chunks 1 .. NT: page slots from the first one
                             whose values are still FP16 (the value window), keys from a packed page or
                             the FP16 q-buffer;
-    `_decode_pages_kernel`  chunks NT+1 ..: up to PPP fully packed page slots each, in a loop over the
-                            live ones, free of branches (a chunk past a sequence's pages exits at once).
+    `_decode_pages_kernel`  chunks NT+1 ..: a sequence's fully packed page slots split evenly over
+                            them, up to PPP each, in a loop free of branches (a chunk with no slot
+                            exits at once).
 Each writes a partial softmax (max, sum, weighted values); `_combine_kernel` merges the chunks.
 A step from device counters may hand its token to the tail kernel (NEW), which writes it into the
 FP16 buffers as it attends to it. The tail's tiles of those buffers enter its dots in their own dtype
@@ -340,8 +341,8 @@ def _decode_pages_kernel(
     S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr, V4: tl.constexpr,
     PPP: tl.constexpr, NT: tl.constexpr, BIAS: tl.constexpr, SOFTCAP: tl.constexpr, KEY8: tl.constexpr,
 ):
-    """PPP page slots whose keys and values are both packed, from slot program_id(1) * PPP, into
-    partial NT + 1 + program_id(1)."""
+    """Chunk program_id(1) of the sequence's fully packed page slots (at most PPP of them: the live
+    slots split evenly over the grid's chunks), into partial NT + 1 + program_id(1)."""
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
     b = tl.program_id(0) // HKV
@@ -359,12 +360,17 @@ def _decode_pages_kernel(
     m_i = tl.full((REP_P,), float("-inf"), tl.float32)
     l_i = tl.zeros((REP_P,), tl.float32)
     acc = tl.zeros((REP_P, D), tl.float32)
-    first = chunk * PPP
+    # the sequence's live slots spread evenly over the grid's chunks, at most PPP each (the grid has
+    # ceil(slots / PPP) chunks for the longest run): a grid sized for the cache's capacity (one CUDA
+    # graph for every length) then keeps all its chunks busy at any length, not the first few
+    per = tl.cdiv(n_vp, tl.num_programs(1))
+    first = chunk * per
+    count = tl.minimum(n_vp - first, per)
     # the run's page ids in one load, ahead of the page loop (no table round trip per page)
     slots = tl.arange(0, PPP)
-    kpages = tl.load(KT + b * sKT + first + slots, mask=first + slots < n_vp, other=0)
-    vpages = tl.load(VT + b * sVT + first + slots, mask=first + slots < n_vp, other=0)
-    if first < n_vp:
+    kpages = tl.load(KT + b * sKT + first + slots, mask=slots < count, other=0)
+    vpages = tl.load(VT + b * sVT + first + slots, mask=slots < count, other=0)
+    if count > 0:
         # query heads across the tiles, tokens (keys) or channels (values) down: the tensor-core
         # tile's 16 rows are page rows, and the 4 query heads are its (8-wide) column operand
         r = tl.arange(0, REP_P)
@@ -386,9 +392,7 @@ def _decode_pages_kernel(
         ch = tl.zeros((NB_P,), tl.int32)
         if NB > 0:
             ch = _boost_index(KC, _pick(kpages, slots, 0) * sKCp + h * sKCh, NB, NB_P)
-        # as many iterations as the run has live slots: a grid that spans the cache's capacity (one
-        # CUDA graph for every length) then costs a short sequence only its dead programs' exits
-        for i in range(0, tl.minimum(n_vp - first, PPP)):
+        for i in range(0, count):
             kpage = _pick(kpages, slots, i)
             vpage = _pick(vpages, slots, i)
             qb = tl.zeros((NB_P, REP_P), tl.float32 if KEY8 else tl.float16)
@@ -455,7 +459,7 @@ def _decode_pages_kernel(
         acc = _cat4(tl.trans(a0 - bs + zs), tl.trans((a1 - bs) * 0.25 + zs), tl.trans((a2 - bs) * 0.0625 + zs),
                     tl.trans((a3 - bs) * 0.015625 + zs))
     _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, NT + 1 + chunk, m_i * 0.6931471805599453, l_i, acc,
-                   first < n_vp, REP, REP_P, D)
+                   count > 0, REP, REP_P, D)
 
 
 @triton.jit

@@ -80,6 +80,30 @@ def test_cuda_page_kernel_for_gqa_groups(rep):
 
 
 @pytest.mark.gpu
+def test_a_grid_sized_for_the_capacity_spreads_each_sequence_over_all_its_chunks():
+    """As the Triton page kernel (tests/test_kernels.py): on a grid wider than the pages need, a
+    sequence of n slots fills ceil(n / ceil(n / chunks)) chunks, and the output is the reference's."""
+    from kernels.decode import _tail_slots, decode_attention_reference
+
+    layer = _layer("kitty-pro", LENS, heads=2, dtype=torch.bfloat16, seed=5)
+    q = torch.randn(len(LENS), 8, 1, D, device="cuda", dtype=torch.bfloat16)
+    exact = layer.kernel_state()
+    wide = dict(exact, max_slots=exact["max_slots"] + 23)
+    ws = {}
+    got = cuda_decode.decode_attention(layer, q, D**-0.5, ws, wide, pages_per_program=4)
+    ref = decode_attention_reference(layer, q, D**-0.5).float()
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    chunks = -(-wide["max_slots"] // 4)
+    first = 1 + _tail_slots(layer.config)
+    live = ws["m"][:, :, first:first + chunks].isfinite().all(1)
+    n_vp = exact["n_vpages"].tolist()
+    for b, n in enumerate(n_vp):
+        filled = -(-n // -(-n // chunks)) if n else 0
+        assert live[b].tolist() == [c < filled for c in range(chunks)], (n, live[b])
+    assert any(-(-n // 4) < -(-n // -(-n // chunks)) for n in n_vp if n)  # some sequence spreads wider
+
+
+@pytest.mark.gpu
 def test_dead_programs_are_skipped_whatever_the_workspace_holds():
     """Programs past a sequence's pages write only their max: stale sums and outputs in the
     workspace must not reach the result."""

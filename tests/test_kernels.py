@@ -142,6 +142,32 @@ def test_chunks_past_a_sequence_are_ignored_whatever_the_workspace_holds():
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
+def test_a_grid_sized_for_the_capacity_spreads_each_sequence_over_all_its_chunks():
+    """On a grid of more page chunks than the pages need (a CUDA graph's, sized for the cache's
+    capacity), a sequence's packed slots are split evenly over the chunks: each chunk holds at most
+    ceil(n / chunks) of a sequence's n slots, so the sequence fills ceil(n / that) chunks (not
+    ceil(n / PPP), the first few), and the output is the reference's."""
+    from kernels.decode import _tail_slots, decode_attention, decode_attention_reference
+
+    layer = _layer("kitty-pro" + SMALL, [SINK + 2, SINK + 3 * GROUP + 5, SINK + 7 * GROUP + 1], seed=5)
+    q = torch.randn(3, 4, 1, DIM, device=DEVICE)
+    exact = layer.kernel_state()
+    wide = dict(exact, max_slots=exact["max_slots"] + 9)
+    ws = {}
+    got = decode_attention(layer, q, 0.25, ws, wide, pages_per_program=4)
+    # fp16 operands in the dots: another split rounds differently, as close to the reference
+    torch.testing.assert_close(got, decode_attention_reference(layer, q, 0.25), atol=5e-3, rtol=1e-2)
+    chunks = -(-wide["max_slots"] // 4)
+    first = 1 + _tail_slots(layer.config)
+    live = ws["m"][:, :, first:first + chunks].isfinite().all(1)  # [B, chunks]: a partial stored
+    n_vp = exact["n_vpages"].tolist()
+    assert max(n_vp) > 4 and chunks > -(-max(n_vp) // 4)  # a grid wider than the pages need
+    for b, n in enumerate(n_vp):
+        filled = -(-n // -(-n // chunks)) if n else 0
+        assert live[b].tolist() == [c < filled for c in range(chunks)], (n, live[b])
+    assert any(-(-n // 4) < -(-n // -(-n // chunks)) for n in n_vp if n)  # some sequence spreads wider
+
+
 def test_partials_of_a_16_bit_model_are_kept_in_its_dtype():
     """A bf16 query's chunks keep their outputs in bf16 between the decode kernels and the combine:
     the step agrees with the same step in fp32 to bf16 rounding, across many chunks."""

@@ -1,8 +1,9 @@
 // Decode attention over packed Kitty pages, in CUDA C++: the page part of the fused split-KV step.
 //
 // One warp is one program: a run of up to PPP page slots of one (sequence, KV head), whose keys and
-// values are both packed, into one partial softmax (max, sum, output) of the layout the Triton tail
-// and combine kernels use (`kernels/decode.py`). Warps are independent: no block-wide barrier.
+// values are both packed (a sequence's slots split evenly over the grid's chunks), into one partial
+// softmax (max, sum, output) of the layout the Triton tail and combine kernels use
+// (`kernels/decode.py`). Warps are independent: no block-wide barrier.
 //
 // The page format is the library's (`kitty_core.quant`, stored by `kitty_core.cache.PagePool`):
 // per page and KV head, key dense plane [G/4 rows, D bytes] (byte (i, d): channel d of tokens i,
@@ -178,9 +179,13 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
   float* qs = reinterpret_cast<float*>(smem + warp * (RMAX * D * 4 + STAGES * L::BYTES));
   uint8_t* stages = reinterpret_cast<uint8_t*>(qs + RMAX * D);
 
-  const int first = chunk * a.ppp;
+  // the sequence's live slots spread evenly over the grid's chunks, at most ppp each (the grid has
+  // ceil(slots / ppp) chunks for the longest run): a grid sized for the cache's capacity (one CUDA
+  // graph for every length) keeps all its chunks busy at any length, not the first few
   const int n_vp = a.nvp[b];
-  const int count = min(n_vp - first, a.ppp);
+  const int per = (n_vp + a.chunks - 1) / a.chunks;
+  const int first = chunk * per;
+  const int count = min(n_vp - first, per);
   const long long mrow = b * a.sMb + (long long)(h * a.rep) * a.sMh + a.chunk0 + chunk;
   if (count <= 0) {  // a dead program: its max alone, -inf, tells the combine to skip it
     if (lane < a.rep) a.m[mrow + lane * a.sMh] = __int_as_float(0xff800000);
