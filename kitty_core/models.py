@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,29 +278,34 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+_CONVERTING = threading.Lock()
+
+
 @contextmanager
 def _gguf_parsed_once():
     """transformers parses a GGUF's metadata anew for the tokenizer's config, the tokenizer, the
     model's config and the weights (`load_gguf_checkpoint`, four times), and builds gguf's tensor-name
     map once per module (~400 times); for the demo model's 49K-token vocabulary that was 17 of the
     conversion's 25 s on a 2-core CPU. Within this block gguf hands out one reader per file and one
-    map per architecture and depth: both are only read by transformers."""
+    map per architecture and depth: both are only read by transformers. One conversion at a time (two
+    tabs of the lab may load at once), so that each puts back what it found."""
     import gguf
 
-    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers = {}
+    with _CONVERTING:
+        reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers = {}
 
-    def one_reader(path, mode="r"):
-        key = (os.fspath(path), mode)
-        if key not in readers:
-            readers[key] = reader(path, mode)
-        return readers[key]
+        def one_reader(path, mode="r"):
+            key = (os.fspath(path), mode)
+            if key not in readers:
+                readers[key] = reader(path, mode)
+            return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, functools.lru_cache(maxsize=None)(name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, functools.lru_cache(maxsize=None)(name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def _converted_gguf(path: Path) -> Path:
