@@ -133,9 +133,12 @@ def page_partials(q: torch.Tensor, k_pages: dict, v_pages: dict, k_table: torch.
                   n_vpages: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, *, rep: int,
                   first_chunk: int, pages_per_program: int, chunks: int, scaling: float, stages: int = 2) -> None:
     """Launch the page kernel on the current stream: program (sequence, KV head, c) for c < `chunks`
-    attends query heads [B, h*rep .. (h+1)*rep) of q [B, Hq, D] to packed slots c*PPP .. (c+1)*PPP - 1
-    (those below n_vpages[b]) and writes partial `first_chunk` + c of m, l [B, Hq, C] (fp32) and acc
-    [B, Hq, C, D] (q's dtype). k_pages / v_pages: the pools' field tensors (dense, high, boost_ch,
+    attends query heads [B, h*rep .. (h+1)*rep) of q [B, Hq, D] to its share of the n = n_vpages[b]
+    packed slots, split evenly over the chunks (slots c*k .. (c+1)*k - 1 below n, k = ceil(n / chunks)),
+    and writes partial `first_chunk` + c of m, l [B, Hq, C] (fp32) and acc [B, Hq, C, D] (q's dtype).
+    The caller sizes `chunks` at ceil(slots / `pages_per_program`) for slots >= every n (as
+    `decode_attention` and `DecodeStep` do), so that no program takes more than `pages_per_program`
+    <= 32: a warp holds its run's page ids one a lane. k_pages / v_pages: the pools' field tensors (dense, high, boost_ch,
     scale, zero / low, scale, zero), tables [B, width] and counts [B] int32."""
     kd, kh, kc, ks, kz = (k_pages[f] for f in ("dense", "high", "boost_ch", "scale", "zero"))
     vl, vs, vz = (v_pages[f] for f in ("low", "scale", "zero"))

@@ -285,38 +285,45 @@ _CONVERTING = threading.Lock()
 def _gguf_parsed_once():
     """transformers parses a GGUF's metadata anew for the tokenizer's config, the tokenizer, the
     model's config and the weights (`load_gguf_checkpoint`, four times), and builds gguf's tensor-name
-    map once per module (~400 times); for the demo model's 49K-token vocabulary that was 17 of the
-    conversion's 25 s on a 2-core CPU. Within this block gguf hands out one reader per file and one
-    map per architecture and depth: both are only read by transformers. One conversion at a time (two
-    tabs of the lab may load at once), so that each puts back what it found."""
+    map once per module (~400 times). Within this block gguf hands out one reader per file and one map
+    per architecture and depth, both only read by transformers: the demo model's conversion (its
+    49K-token vocabulary is most of what is parsed) took 18.4 s on a 2-core CPU, 7.1 s with them, to
+    the same files. The caller holds `_CONVERTING`, so that each conversion puts back what it found."""
     import gguf
 
-    with _CONVERTING:
-        reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-        readers = {}
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers = {}
 
-        def one_reader(path, mode="r"):
-            key = (os.fspath(path), mode)
-            if key not in readers:
-                readers[key] = reader(path, mode)
-            return readers[key]
+    def one_reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
 
-        gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, functools.lru_cache(maxsize=None)(name_map)
-        try:
-            yield
-        finally:
-            gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+    gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def _converted_gguf(path: Path) -> Path:
     """Dequantize a GGUF once into safetensors under the cache dir; return that directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     st = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_dir() / "gguf" / f"{path.stem}-{key}"
     if (target / "config.json").is_file():
         return target
+    with _CONVERTING:  # one at a time (two tabs of the lab may load at once): the second finds the first's
+        if (target / "config.json").is_file():
+            return target
+        return _convert_gguf(path, target)
+
+
+def _convert_gguf(path: Path, target: Path) -> Path:
+    """The conversion itself, into `target` (by a rename, so that a reader never sees half of it)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:

@@ -88,6 +88,7 @@ def test_a_grid_sized_for_the_capacity_spreads_each_sequence_over_all_its_chunks
     layer = _layer("kitty-pro", LENS, heads=2, dtype=torch.bfloat16, seed=5)
     q = torch.randn(len(LENS), 8, 1, D, device="cuda", dtype=torch.bfloat16)
     exact = layer.kernel_state()
+    assert cuda_decode.pool_layout(exact["k_pages"], exact["v_pages"])  # the CUDA launch, not Triton's
     wide = dict(exact, max_slots=exact["max_slots"] + 23)
     ws = {}
     got = cuda_decode.decode_attention(layer, q, D**-0.5, ws, wide, pages_per_program=4)
