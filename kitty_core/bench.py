@@ -66,6 +66,9 @@ def arguments():
                    "(default: its launch plan)")
     k.add_argument("--stages", default=None, help="with --cuda: the CUDA kernel's cp.async stages, 1, 2 or 1,2 "
                    "(default: its launch plan)")
+    k.add_argument("--grid-tokens", type=count(1), default=None, help="with --cuda: size the page kernels' grids "
+                   "for sequences of this many tokens, as a CUDA graph's step over a cache of that capacity "
+                   "(default: each shape's length)")
     e = sub.add_parser("e2e", help="a whole model generating: max batch, memory, throughput per cache",
                        formatter_class=p.formatter_class)
     _model_options(e)
@@ -377,7 +380,8 @@ def run_kernels(a) -> int:
         ppps = [int(x) for x in a.ppp.split(",")] if a.ppp else [None]
         stages = [int(x) for x in a.stages.split(",")] if a.stages else [None]
         with progress_bar("kernels", "setting") as progress:
-            df = bench_cuda(shapes, [float(x) for x in a.boost.split(",")], ppps, stages, progress=progress)
+            df = bench_cuda(shapes, [float(x) for x in a.boost.split(",")], ppps, stages,
+                            grid_tokens=a.grid_tokens, progress=progress)
         if a.out:
             write_csv(a.out, df.assign(device=torch.cuda.get_device_name(), torch=torch.__version__))
         return 0

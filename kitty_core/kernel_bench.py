@@ -73,6 +73,20 @@ def synthetic_layer(method: str, batch: int, length: int, kv_heads: int, head_di
     return layer
 
 
+def grid_state(layer: KittyLayer, grid_tokens: int | None = None) -> dict:
+    """The layer's kernel state, its grid (`max_slots`) sized for sequences of `grid_tokens` tokens
+    as a CUDA graph's step over a cache of that capacity sizes it (None: for what the layer holds)."""
+    state = layer.kernel_state()
+    if grid_tokens is None:
+        return state
+    c = layer.config
+    slots = -(-max(grid_tokens - c.sink, 1) // c.group_size)  # as KittyLayer.capacity_slots
+    if slots < state["max_slots"]:
+        raise ValueError(f"a grid for {grid_tokens} tokens ({slots} page slots) is narrower than the "
+                         f"{state['max_slots']} slots the sequences hold: give at least their length")
+    return dict(state, max_slots=slots)
+
+
 def fp16_step(batch: int, length: int, q_heads: int, kv_heads: int, head_dim: int, dtype):
     """A decode step over an FP16 cache, random, on the GPU: the query [batch, q_heads, 1, D], the
     keys and values [batch, kv_heads, length, D], and the attention scale 1/sqrt(D)."""
@@ -154,12 +168,14 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
 
 
 def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_heads=32, kv_heads=8, head_dim=128,
-               dtype=torch.bfloat16, rounds=5, progress=None) -> pd.DataFrame:
+               dtype=torch.bfloat16, rounds=5, grid_tokens=None, progress=None) -> pd.DataFrame:
     """Per shape and boost rate: the fused step with the CUDA page kernel (`kernels.cuda_decode`, per
     pages-per-program and cp.async-stages setting, None: the launch plan's), the Triton fused step
     and SDPA on an FP16 cache forced to cuDNN, as CUDA-graph replays timed in `rounds` interleaved
     rounds (the median of the rounds' medians); the packed bytes each step reads and both outputs'
-    largest difference from the reference."""
+    largest difference from the reference. `grid_tokens`: both page kernels' grids sized for
+    sequences of that many tokens, as the step of a CUDA graph over a cache of that capacity is
+    (`KittyLayer.capacity_slots`; None: for the shape's length). cuDNN reads the shape's length."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kernels import cuda_decode
@@ -178,7 +194,7 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
             if progress:
                 progress(len(rows), len(shapes) * len(boosts), f"{batch}x{length}, boost {boost:g}")
             layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
-            state = layer.kernel_state()
+            state = grid_state(layer, grid_tokens)
             why = cuda_decode.unsupported(head_dim, layer.config.group_size, layer.n_boost, layer.config.value_bits,
                                           q_heads // kv_heads, dtype, q.device) or cuda_decode.build(layer.n_boost)
             if why:
@@ -205,7 +221,8 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
             for ppp, st in variants:
                 planned_ppp, planned_st = cuda_decode.launch_plan(batch * kv_heads, state["max_slots"], sms, ppp)
                 rows.append({
-                    "batch": batch, "length": length, "boost_rate": boost, "ppp": planned_ppp,
+                    "batch": batch, "length": length, "grid_tokens": grid_tokens or length, "boost_rate": boost,
+                    "ppp": planned_ppp,
                     "stages": st or planned_st,
                     "cuda_ms": ms[ppp, st], "triton_ms": ms["triton"], "cudnn_ms": ms["cudnn"],
                     "cuda_vs_cudnn": ms["cudnn"] / ms[ppp, st], "triton_vs_cudnn": ms["cudnn"] / ms["triton"],

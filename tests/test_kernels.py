@@ -168,6 +168,20 @@ def test_a_grid_sized_for_the_capacity_spreads_each_sequence_over_all_its_chunks
     assert any(-(-n // 4) < -(-n // -(-n // chunks)) for n in n_vp if n)  # some sequence spreads wider
 
 
+def test_the_benchmarks_grid_for_a_capacity_is_the_graph_steps():
+    """`bench kernels --cuda --grid-tokens N` sizes the page grids as a CUDA graph's step over a cache
+    of N tokens' capacity does (`capacity_slots`), and refuses a grid narrower than the sequences."""
+    from kitty_core.kernel_bench import grid_state
+
+    layer = _layer("kitty-pro" + SMALL, [SINK + 2, SINK + 3 * GROUP + 5], seed=6)
+    assert grid_state(layer)["max_slots"] == layer.kernel_state()["max_slots"]
+    for tokens in (SINK + 4 * GROUP, SINK + 9 * GROUP + 1, 10_000):
+        layer.capacity = tokens
+        assert grid_state(layer, tokens)["max_slots"] == layer.capacity_slots()
+    with pytest.raises(ValueError, match="narrower"):
+        grid_state(layer, SINK + 1)
+
+
 def test_partials_of_a_16_bit_model_are_kept_in_its_dtype():
     """A bf16 query's chunks keep their outputs in bf16 between the decode kernels and the combine:
     the step agrees with the same step in fp32 to bf16 rounding, across many chunks."""
