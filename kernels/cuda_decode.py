@@ -138,8 +138,8 @@ def page_partials(q: torch.Tensor, k_pages: dict, v_pages: dict, k_table: torch.
     and writes partial `first_chunk` + c of m, l [B, Hq, C] (fp32) and acc [B, Hq, C, D] (q's dtype).
     The caller sizes `chunks` at ceil(slots / `pages_per_program`) for slots >= every n (as
     `decode_attention` and `DecodeStep` do), so that no program takes more than `pages_per_program`
-    <= 32: a warp holds its run's page ids one a lane. k_pages / v_pages: the pools' field tensors (dense, high, boost_ch,
-    scale, zero / low, scale, zero), tables [B, width] and counts [B] int32."""
+    <= 32: a warp holds its run's page ids one a lane. k_pages / v_pages: the pools' field tensors
+    (dense, high, boost_ch, scale, zero / low, scale, zero), tables [B, width] and counts [B] int32."""
     kd, kh, kc, ks, kz = (k_pages[f] for f in ("dense", "high", "boost_ch", "scale", "zero"))
     vl, vs, vz = (v_pages[f] for f in ("low", "scale", "zero"))
     nb = kh.shape[2]

@@ -79,8 +79,7 @@ def grid_state(layer: KittyLayer, grid_tokens: int | None = None) -> dict:
     state = layer.kernel_state()
     if grid_tokens is None:
         return state
-    c = layer.config
-    slots = -(-max(grid_tokens - c.sink, 1) // c.group_size)  # as KittyLayer.capacity_slots
+    slots = layer.slots_for(grid_tokens)
     if slots < state["max_slots"]:
         raise ValueError(f"a grid for {grid_tokens} tokens ({slots} page slots) is narrower than the "
                          f"{state['max_slots']} slots the sequences hold: give at least their length")

@@ -324,7 +324,11 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
     # -- decode steps from device counters (kitty_core.graphs) ------------------------------------
     def capacity_slots(self) -> int:
         """Page slots of a sequence of `capacity` tokens: the grid a device-driven step launches."""
-        return -(-max(self.capacity - self.config.sink, 1) // self.config.group_size)
+        return self.slots_for(self.capacity)
+
+    def slots_for(self, tokens: int) -> int:
+        """Page slots of a sequence of `tokens` tokens (at least one)."""
+        return -(-max(tokens - self.config.sink, 1) // self.config.group_size)
 
     def start_steps(self, counters) -> None:
         """Decode steps from `counters` (None: from the host's state again); `KittyCache.begin_device_steps`
