@@ -132,6 +132,13 @@ def refusal(a) -> str | None:
     if getattr(a, "tp", False) and not all(v in os.environ for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
         return (f"--tp runs one process per GPU, started by torchrun: torchrun --nproc-per-node 2 -m "
                 f"kitty_core.bench {a.what} --tp ... (or --device-map auto in one process)")
+    grid = getattr(a, "grid_tokens", None)
+    if grid is not None:
+        if not a.cuda:
+            return "--grid-tokens sizes the grids of the CUDA comparison: give it with --cuda"
+        longest = max(int(s.split("x")[1]) for s in a.shapes.split(","))
+        if grid < longest:
+            return f"--grid-tokens {grid} is shorter than the longest shape's {longest} tokens: give at least {longest}"
     return None
 
 

@@ -37,6 +37,14 @@ def test_a_memory_budget_must_be_positive(capsys):
     assert "needs a number above 0, got '-1'" in _usage_error(bench.main, ["e2e", "--budget-gib", "-1"], capsys)
 
 
+def test_a_kernel_grid_narrower_than_the_shapes_is_refused_before_any_kernel(capsys):
+    assert bench.main(["kernels", "--cuda", "--shapes", "64x4704,8x9000", "--grid-tokens", "8704"]) == 2
+    assert "--grid-tokens 8704 is shorter than the longest shape's 9000 tokens: give at least 9000" \
+        in capsys.readouterr().err
+    assert bench.main(["kernels", "--grid-tokens", "8704"]) == 2
+    assert "give it with --cuda" in capsys.readouterr().err
+
+
 def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
