@@ -90,6 +90,8 @@ def _build(n_boost: int, stages: int):
     loaded from torch's extension cache)."""
     from torch.utils.cpp_extension import load_inline
 
+    log.info("loading the CUDA page kernel for %d boosted channels, %d stage(s): nvcc builds it on first use "
+             "(about 30 s), torch's extension cache keeps it", n_boost, stages)
     return load_inline(
         name=f"kitty_pages_nb{n_boost}_s{stages}",
         cpp_sources="int64_t page_partials(std::vector<int64_t> p, std::vector<int64_t> n, double scaling);",

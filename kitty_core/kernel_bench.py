@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from .layer import KittyLayer
+from .layer import FP16_PARTS, KittyLayer
 from .reference_engine import ReferenceEngine
 from .config import parse_method
 
@@ -174,11 +174,14 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
     rounds (the median of the rounds' medians); the packed bytes each step reads and both outputs'
     largest difference from the reference. `grid_tokens`: both page kernels' grids sized for
     sequences of that many tokens, as the step of a CUDA graph over a cache of that capacity is
-    (`KittyLayer.capacity_slots`; None: for the shape's length). cuDNN reads the shape's length."""
+    (`KittyLayer.capacity_slots`; None: for the shape's length). cuDNN reads the shape's length.
+    Beside them, the tail kernel alone (the FP16 sink, q-buffer and value window, which runs beside
+    either page kernel) and the FP16 parts' bytes: its share of the step's time against their share
+    of the step's bytes."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kernels import cuda_decode
-    from kernels.decode import decode_attention, decode_attention_reference
+    from kernels.decode import decode_attention, decode_attention_reference, decode_launches
 
     rows = []
     for batch, length in shapes:
@@ -202,7 +205,9 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
             ws_t = {}
             triton = lambda: decode_attention(layer, q, scale, ws_t, state)  # noqa: E731
             err_t = (triton().float() - ref).abs().max().item()
-            fns = {"triton": graphed(triton), "cudnn": cudnn_g}
+            tail_k, tail_grid, tail_args, tail_opts = decode_launches(layer, q, scale, {}, state)[0][0]
+            tail = lambda: tail_k[tail_grid](*tail_args, **tail_opts)  # noqa: E731
+            fns = {"triton": graphed(triton), "cudnn": cudnn_g, "tail": graphed(tail)}
             errs, variants = {}, [(ppp, st) for ppp in pages_per_program for st in stages]
             for ppp, st in variants:
                 ws = {}
@@ -215,7 +220,9 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
                 for name, g in fns.items():
                     times[name].append(cuda_time(g, warmup=2, iters=20))
             ms = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-            read = sum(layer.nbytes().values()) + q.numel() * q.element_size()
+            parts = layer.nbytes()
+            read = sum(parts.values()) + q.numel() * q.element_size()
+            fp16 = sum(parts[name] for name in FP16_PARTS if name in parts)
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
             for ppp, st in variants:
                 planned_ppp, planned_st = cuda_decode.launch_plan(batch * kv_heads, state["max_slots"], sms, ppp)
@@ -228,6 +235,8 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
                     "cuda_vs_triton": ms["triton"] / ms[ppp, st], "packed_bytes": read,
                     "cuda_TBps": read / ms[ppp, st] / 1e9, "triton_TBps": read / ms["triton"] / 1e9,
                     "cudnn_TBps": 2 * k16.numel() * k16.element_size() / ms["cudnn"] / 1e9,
+                    "tail_ms": ms["tail"], "tail_time_share": ms["tail"] / ms[ppp, st],
+                    "fp16_bytes": fp16, "fp16_byte_share": fp16 / read,
                     "cuda_max_abs_err": errs[ppp, st], "triton_max_abs_err": err_t,
                 })
                 print(pd.DataFrame(rows[-1:]).to_string(index=False, header=len(rows) == 1,

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from .cache import KittyCache
 
 SLIDING = "sliding window: "  # the memory report's parts of sliding-window layers
+# the memory report's parts kept in FP16 (the tail a decode step reads beside the packed pages)
+FP16_PARTS = ("key sink", "value sink", "key q_buffer", "value window + q_buffer")
 
 
 class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
@@ -514,11 +516,12 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
                 "k_table": self.k_pages.device_ids, "v_table": self.v_pages.device_ids}
 
     def nbytes(self) -> dict[str, int]:
-        """Stored bytes of this layer by part."""
-        parts = {"key sink": self.k_sink.nbytes(), "value sink": self.v_sink.nbytes()}
+        """Stored bytes of this layer by part (FP16_PARTS: those kept in FP16, the packed pages' after)."""
+        k_sink, v_sink, k_buffer, v_window = FP16_PARTS
+        parts = {k_sink: self.k_sink.nbytes(), v_sink: self.v_sink.nbytes()}
         if self.config.quantize:
-            parts["key q_buffer"] = self.k_buffer.nbytes()
-            parts["value window + q_buffer"] = self.v_window.nbytes()
+            parts[k_buffer] = self.k_buffer.nbytes()
+            parts[v_window] = self.v_window.nbytes()
             k, v = self.k_pages.nbytes(), self.v_pages.nbytes()
             parts["key dense plane"] = k["dense"]
             parts["key high plane"] = k["high"]

@@ -39,7 +39,7 @@ from .reference_engine import ReferenceEngine
 # a prefill in 32-token chunks from 6.5-8.2 s to 4.9 s and 2.2 GiB less memory, and one in
 # 128-token chunks (32 launches a layer and chunk) from 3.8-4.2 s to 5.2-6.6 s.
 SHORT_CHUNK_LAUNCHES = 8
-PAGE_KERNELS = ("triton", "cuda")  # which kernel reads the packed pages in decode steps
+PAGE_KERNELS = ("auto", "cuda", "triton")  # which kernel reads the packed pages in decode steps
 log = logging.getLogger(__name__)
 
 
@@ -47,16 +47,18 @@ class TritonEngine(ReferenceEngine):
     name = "triton"
     device_steps = True  # decode steps can run from device counters (kitty_core.graphs)
 
-    def __init__(self, key_dots: str | None = None, pages: str = "triton"):
-        """`key_dots`: the page kernel's key dots, "fp16" or "int8"; None: by head size
-        (`kernels.decode.key_dots_of`). `pages`: "cuda" reads the packed pages of decode steps with
-        `kernels.cuda_decode` where it applies (else Triton, with one log line that says why)."""
+    def __init__(self, key_dots: str | None = None, pages: str = "auto"):
+        """`key_dots`: the Triton page kernel's key dots, "fp16" or "int8"; None: by head size
+        (`kernels.decode.key_dots_of`). `pages`: which kernel reads the packed pages of decode steps.
+        "auto": the CUDA one (`kernels.cuda_decode`, built with nvcc at first use) where it applies,
+        else Triton, with one log line at INFO that says why; "cuda": the same, the line a warning;
+        "triton": always Triton."""
         if key_dots is not None:
             key_dots_of(key_dots, 0)  # a clear error now, not at the first decode step
         if pages not in PAGE_KERNELS:
             raise ValueError(f"pages must be one of {', '.join(PAGE_KERNELS)}, got {pages!r}")
         self.key_dots, self.pages = key_dots, pages
-        self._cuda_ok: dict[tuple, bool] = {}  # per layer shape: does the CUDA page kernel take it
+        self._cuda_ok: dict[tuple | str, bool] = {}  # per layer shape: does the CUDA page kernel take it
         self.workspaces: dict[tuple, dict] = {}  # the partials' buffers, by layer shape (`_workspace`)
         self.steps: dict[int, DecodeStep] = {}  # per layer: the launches of steps from device counters
 
@@ -126,19 +128,17 @@ class TritonEngine(ReferenceEngine):
     def _cuda_pages(self, layer, q_heads: int, dtype, device) -> bool:
         """Does the CUDA page kernel read this layer's pages? Decided once per shape (a first call
         builds the kernel), with one log line where it falls back to Triton."""
-        if self.pages != "cuda":
-            return False
-        if layer.softcap:  # the CUDA page kernel has no softcap
-            if "softcap" not in self._cuda_ok:
-                log.warning("decode pages on Triton, not the CUDA kernel: it applies no logit softcap")
-                self._cuda_ok["softcap"] = False
+        if self.pages == "triton":
             return False
         c = layer.config
-        key = (layer.head_dim, c.group_size, layer.n_boost, c.value_bits, q_heads // layer.heads, dtype, device)
+        key = "softcap" if layer.softcap else (layer.head_dim, c.group_size, layer.n_boost, c.value_bits,
+                                                q_heads // layer.heads, dtype, device)
         if key not in self._cuda_ok:
-            why = cuda_decode.unsupported(*key) or cuda_decode.build(layer.n_boost)
+            why = ("it applies no logit softcap" if layer.softcap
+                   else cuda_decode.unsupported(*key) or cuda_decode.build(layer.n_boost))
             if why:
-                log.warning("decode pages on Triton, not the CUDA kernel: %s", why)
+                log.log(logging.WARNING if self.pages == "cuda" else logging.INFO,
+                        "decode pages on Triton, not the CUDA kernel: %s", why)
             self._cuda_ok[key] = why is None
         return self._cuda_ok[key]
 

@@ -166,22 +166,61 @@ def test_engine_with_cuda_pages_agrees_with_reference(device_steps, deep_waves, 
     torch.testing.assert_close(logits["triton+pages=cuda"], logits["reference"], atol=0.6, rtol=0.05)
 
 
-def test_engine_falls_back_to_triton_with_one_log_line(caplog):
-    """`triton+pages=cuda` where the CUDA kernel does not apply (here: no GPU, or head size 64):
-    Triton reads the pages, and one warning says why, once per layer shape."""
+@pytest.mark.parametrize("pages, level", [("cuda", "WARNING"), ("auto", "INFO")])
+def test_engine_falls_back_to_triton_with_one_log_line(pages, level, caplog):
+    """Where the CUDA kernel does not apply (here: no GPU, or head size 64), Triton reads the pages
+    and one line says why, once per layer shape: a warning where the CUDA kernel was asked for
+    (`triton+pages=cuda`), at INFO by default (`triton`, pages "auto"). `triton+pages=triton` never
+    tries it."""
     from types import SimpleNamespace
 
     from kitty_core.engines import make_engine
 
-    engine = make_engine("triton+pages=cuda")
-    assert engine.pages == "cuda" and make_engine("triton").pages == "triton"
-    with pytest.raises(ValueError, match="triton, cuda"):
+    engine = make_engine(f"triton+pages={pages}")
+    assert engine.pages == pages and make_engine("triton").pages == "auto"
+    with pytest.raises(ValueError, match="auto, cuda, triton"):
         make_engine("triton+pages=tilelang")
     layer = SimpleNamespace(head_dim=64, heads=2, n_boost=16, softcap=None,
                             config=SimpleNamespace(group_size=G, value_bits=2))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    with caplog.at_level("WARNING", logger="kitty_core.triton_engine"):
+    with caplog.at_level("INFO", logger="kitty_core.triton_engine"):
         assert not engine._cuda_pages(layer, 8, torch.bfloat16, device)
         assert not engine._cuda_pages(layer, 8, torch.bfloat16, device)
-    lines = [r.getMessage() for r in caplog.records if r.name == "kitty_core.triton_engine"]
-    assert len(lines) == 1 and "Triton" in lines[0]
+        assert not make_engine("triton+pages=triton")._cuda_pages(layer, 8, torch.bfloat16, device)
+    lines = [r for r in caplog.records if r.name == "kitty_core.triton_engine"]
+    assert len(lines) == 1 and "Triton" in lines[0].getMessage() and lines[0].levelname == level
+
+
+@pytest.mark.gpu
+def test_generate_reads_the_pages_with_the_cuda_kernel_by_default():
+    """`model.generate` on a random decoder of Qwen3's head size with a default cache: compiled steps
+    (inductor, CUDA graphs) whose pages the CUDA kernel reads, against eager steps through the Triton
+    page kernel (`triton+pages=triton`). 300 greedy tokens after a 700-token prompt (pages packed
+    between replays): the logits agree step by step up to the first token where the two differ, and
+    that token is a near tie of the eager run (its two best logits within 1)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kitty_core import KittyCache
+
+    cfg = AutoConfig.for_model("qwen3", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=D, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float16).cuda().eval()
+    ids = torch.randint(3, 512, (2, 700), device="cuda")
+    run = dict(do_sample=False, max_new_tokens=300, min_new_tokens=300, return_dict_in_generate=True,
+               output_logits=True, pad_token_id=0)
+    cache = KittyCache(model, "kitty-pro")
+    compiled = model.generate(input_ids=ids, past_key_values=cache, **run)
+    assert cache.is_compileable and cache.layers[0].steps is not None
+    assert cache.engine.steps and all(type(s).__module__ == "kernels.cuda_decode" for s in cache.engine.steps.values())
+    eager = model.generate(input_ids=ids, past_key_values=KittyCache(model, "kitty-pro", engine="triton+pages=triton"),
+                           disable_compile=True, **run)
+    for row in range(2):
+        got, want = compiled.sequences[row, 700:], eager.sequences[row, 700:]
+        diff = (got != want).nonzero()
+        first = int(diff[0]) if len(diff) else len(got)
+        torch.testing.assert_close(torch.stack(compiled.logits[:first + 1])[:, row].float(),
+                                   torch.stack(eager.logits[:first + 1])[:, row].float(), atol=0.6, rtol=0.05)
+        if first < len(got):
+            top = eager.logits[first][row].float().topk(2).values
+            assert float(top[0] - top[1]) < 1.0, f"row {row}: tokens differ at step {first} with no near tie"
