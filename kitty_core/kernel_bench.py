@@ -222,7 +222,7 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
             ms = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
             parts = layer.nbytes()
             read = sum(parts.values()) + q.numel() * q.element_size()
-            fp16 = sum(parts[name] for name in FP16_PARTS if name in parts)
+            fp16 = sum(parts[name] for name in FP16_PARTS)
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
             for ppp, st in variants:
                 planned_ppp, planned_st = cuda_decode.launch_plan(batch * kv_heads, state["max_slots"], sms, ppp)

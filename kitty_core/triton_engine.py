@@ -52,11 +52,15 @@ class TritonEngine(ReferenceEngine):
         (`kernels.decode.key_dots_of`). `pages`: which kernel reads the packed pages of decode steps.
         "auto": the CUDA one (`kernels.cuda_decode`, built with nvcc at first use) where it applies,
         else Triton, with one log line at INFO that says why; "cuda": the same, the line a warning;
-        "triton": always Triton."""
-        if key_dots is not None:
-            key_dots_of(key_dots, 0)  # a clear error now, not at the first decode step
+        "triton": always Triton. Key dots are the Triton kernel's option: given, "auto" means Triton."""
         if pages not in PAGE_KERNELS:
             raise ValueError(f"pages must be one of {', '.join(PAGE_KERNELS)}, got {pages!r}")
+        if key_dots is not None:
+            key_dots_of(key_dots, 0)  # a clear error now, not at the first decode step
+            if pages == "cuda":
+                raise ValueError(f"key_dots={key_dots} sets the Triton page kernel's dots, and pages=cuda reads the "
+                                 "pages with the CUDA kernel (fp16 dots): give one or the other")
+            pages = "triton"
         self.key_dots, self.pages = key_dots, pages
         self._cuda_ok: dict[tuple | str, bool] = {}  # per layer shape: does the CUDA page kernel take it
         self.workspaces: dict[tuple, dict] = {}  # the partials' buffers, by layer shape (`_workspace`)

@@ -633,7 +633,10 @@ def test_engine_names_carry_the_key_dots():
     from kitty_core.engines import make_engine
 
     assert make_engine("triton+key_dots=int8").key_dots == "int8"
+    assert make_engine("triton+key_dots=fp16").pages == "triton"  # the option of the Triton page kernel
     assert make_engine("triton").key_dots is None  # by head size (`key_dots_of`)
+    with pytest.raises(ValueError, match="one or the other"):
+        make_engine("triton+key_dots=int8+pages=cuda")
     with pytest.raises(ValueError, match="fp16, int8"):
         make_engine("triton+key_dots=int4")
     with pytest.raises(ValueError, match="key_dots"):
