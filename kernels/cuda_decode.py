@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +35,9 @@ WARPS = 4  # programs (warps) per block: 2 blocks an SM at two cp.async stages, 
 # tokens (8 waves) and moved it by -2% to +3.5% on the grids of about one wave (64 x 8,192,
 # 8 x 32,768, 1 x 131,072). Every build fits three blocks an SM at one stage (148-168 registers)
 DEEP_WAVES = 2
+# a `build` slower than this ran nvcc (on one H200: 27 s a build; a whole process that loaded one from
+# torch's extension cache, 4 s)
+BUILT_AFTER_S = 10.0
 
 _BINDING = r"""
 #include <vector>
@@ -90,8 +94,6 @@ def _build(n_boost: int, stages: int):
     loaded from torch's extension cache)."""
     from torch.utils.cpp_extension import load_inline
 
-    log.info("loading the CUDA page kernel for %d boosted channels, %d stage(s): nvcc builds it on first use "
-             "(about 30 s), torch's extension cache keeps it", n_boost, stages)
     return load_inline(
         name=f"kitty_pages_nb{n_boost}_s{stages}",
         cpp_sources="int64_t page_partials(std::vector<int64_t> p, std::vector<int64_t> n, double scaling);",
@@ -101,14 +103,23 @@ def _build(n_boost: int, stages: int):
     )
 
 
+@functools.lru_cache(maxsize=None)
 def build(n_boost: int) -> str | None:
     """Build (or load) the kernel for `n_boost` at both pipeline depths the launch plan picks from, so
-    that no build falls inside a CUDA graph's capture; the error's text where that fails, else None."""
+    that no build falls inside a CUDA graph's capture; the error's text where that fails, else None.
+    Once per process, a failure included: a broken toolchain is not tried again by every cache. A
+    build that ran nvcc (not a load from torch's extension cache) is reported at WARNING, with its time."""
+    log.info("loading the CUDA page kernel for %d boosted channels (nvcc builds it on first use)", n_boost)
+    start = time.perf_counter()
     try:
         for stages in (1, 2):
             _build(n_boost, stages)
     except Exception as e:  # noqa: BLE001 - any toolchain failure means: use Triton
         return f"the CUDA build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
+    took = time.perf_counter() - start
+    if took > BUILT_AFTER_S:
+        log.warning("built the CUDA page kernel for %d boosted channels with nvcc in %.0f s; torch's extension "
+                    "cache keeps it for later processes", n_boost, took)
     return None
 
 

@@ -430,12 +430,18 @@ template <typename T, int NB, int STAGES>
 int launch_t(const PageArgs& a, int warps, cudaStream_t stream) {
   const size_t bytes = smem_bytes<NB, STAGES>(warps);
   auto kern = pages_kernel<T, NB, STAGES>;
-  static bool sized = false;  // once, for the most warps a block takes (not during a graph's capture)
-  if (!sized) {
-    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)smem_bytes<NB, STAGES>(4));
+  // the shared-memory limit is an attribute of the kernel in one device's context: set once per device
+  // (a model split over GPUs launches on each), for the most warps a block takes, before any capture
+  constexpr int DEVICES = 64;
+  static bool sized[DEVICES] = {};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return (int)e;
+  if (dev >= DEVICES) return (int)cudaErrorInvalidDevice;
+  if (!sized[dev]) {
+    e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<NB, STAGES>(4));
     if (e != cudaSuccess) return (int)e;
-    sized = true;
+    sized[dev] = true;
   }
   const long long items = (long long)a.batch * a.hkv * a.chunks;
   const int blocks = (int)((items + warps - 1) / warps);
@@ -446,7 +452,7 @@ int launch_t(const PageArgs& a, int warps, cudaStream_t stream) {
 
 }  // namespace kitty
 
-// One build holds one boosted-channel count and pipeline depth (both dtypes): each takes ~10 s of
+// One build holds one boosted-channel count and pipeline depth (both dtypes): each takes ~30 s of
 // nvcc, so a process builds only the boosted-channel counts its layers use (both depths of each:
 // the launch plan picks the depth by the grid's size).
 #ifndef KITTY_NB
