@@ -241,6 +241,8 @@ def run_e2e(a) -> int:
                 "transformers": transformers.__version__, "prompt": a.prompt, "generate": a.generate,
                 "budget_gib": a.budget_gib, "points": a.points, "steps": a.steps, "decode": a.decode, "caches": caches,
                 "fused": is_fused(lm.model), "launch": launch_defaults(),
+                "page_kernel": "CUDA (kernels/cuda_decode.py) where it applies, else Triton, unless the cache names "
+                               "its engine's pages",
                 "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     sharding = _sharding(lm.model)
     if sharding:  # absent for a model on one device, as in the files of runs from before sharding
