@@ -205,6 +205,14 @@ def test_engine_falls_back_to_triton_with_one_log_line(pages, level, caplog):
         assert not make_engine("triton+pages=triton")._cuda_pages(layer, 8, torch.bfloat16, device)
     lines = [r for r in caplog.records if r.name == "kitty_core.triton_engine"]
     assert len(lines) == 1 and "Triton" in lines[0].getMessage() and lines[0].levelname == level
+    caplog.clear()
+    capped = SimpleNamespace(head_dim=D, heads=2, n_boost=32, softcap=30.0,  # a shape the kernel takes, but capped
+                             config=SimpleNamespace(group_size=G, value_bits=2))
+    with caplog.at_level("INFO", logger="kitty_core.triton_engine"):
+        assert not engine._cuda_pages(capped, 8, torch.bfloat16, device)
+        assert not engine._cuda_pages(capped, 8, torch.bfloat16, device)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kitty_core.triton_engine"]
+    assert len(lines) == 1 and "softcap" in lines[0]
 
 
 @pytest.mark.gpu
