@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -107,13 +108,14 @@ def _build(n_boost: int, stages: int):
 def build(n_boost: int) -> str | None:
     """Build (or load) the kernel for `n_boost` at both pipeline depths the launch plan picks from, so
     that no build falls inside a CUDA graph's capture; the error's text where that fails, else None.
-    Once per process, a failure included: a broken toolchain is not tried again by every cache. A
+    Once per process, a failure included: a broken toolchain is not tried again by every cache. The
+    two depths build side by side (two nvcc processes; torch locks each build's own directory). A
     build that ran nvcc (not a load from torch's extension cache) is reported at WARNING, with its time."""
     log.info("loading the CUDA page kernel for %d boosted channels (nvcc builds it on first use)", n_boost)
     start = time.perf_counter()
     try:
-        for stages in (1, 2):
-            _build(n_boost, stages)
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(functools.partial(_build, n_boost), (1, 2)))
     except Exception as e:  # noqa: BLE001 - any toolchain failure means: use Triton
         return f"the CUDA build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
     took = time.perf_counter() - start

@@ -132,6 +132,35 @@ def test_unsupported_says_why_without_a_gpu_or_for_other_shapes():
         assert "boosted" in cuda_decode.unsupported(D, G, 24, 2, 4, torch.bfloat16, dev)
 
 
+def test_a_build_takes_both_depths_side_by_side_once_per_process(monkeypatch):
+    """`cuda_decode.build` builds a boosted-channel count's two cp.async depths at the same time (each
+    stand-in build below returns only once the other has started), and answers later calls from its
+    first, a failure included: a broken toolchain is not tried again by every cache."""
+    import threading
+
+    calls, both = [], threading.Barrier(2, timeout=60)
+
+    def side_by_side(n_boost, stages):
+        calls.append((n_boost, stages))
+        both.wait()
+
+    def broken(n_boost, stages):
+        raise RuntimeError("nvcc fatal: unsupported architecture\n")
+
+    cuda_decode.build.cache_clear()
+    try:
+        monkeypatch.setattr(cuda_decode, "_build", side_by_side)
+        assert cuda_decode.build(16) is None and sorted(calls) == [(16, 1), (16, 2)]
+        assert cuda_decode.build(16) is None and len(calls) == 2
+        monkeypatch.setattr(cuda_decode, "_build", broken)
+        why = cuda_decode.build(64)
+        assert why == "the CUDA build failed: nvcc fatal: unsupported architecture"
+        monkeypatch.setattr(cuda_decode, "_build", side_by_side)
+        assert cuda_decode.build(64) == why and len(calls) == 2
+    finally:
+        cuda_decode.build.cache_clear()
+
+
 def _qwen3_head_128(initializer_range=0.02, dtype=torch.bfloat16):
     """A random two-layer decoder of Qwen3's head size (4 query heads a KV head) on the GPU."""
     from transformers import AutoConfig, AutoModelForCausalLM
