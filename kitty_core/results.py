@@ -9,6 +9,7 @@ the file and what is wrong; the pages skip it with a warning.
                       alloc_conf, sharding (only for a model split over GPUs), runs}, points: [...],
                       probes: [...], skipped: [...], validation: [...], summary: [...]}
     kernels_*.json    `bench kernels --out x.json`: {settings: {device, torch, launch}, results: [{batch, length, ...}]}
+    kernels_cuda_*.csv `bench kernels --cuda --out x.csv`: batch, length, boost_rate, cuda_ms, triton_ms, cudnn_ms, ...
     accuracy / rules  `evaluate --json` (and the boost sweep): {settings, results: [{method, kl, ...}]}
     passkey_*.csv     `passkey --csv`: method, length, depth, correct
 
@@ -45,6 +46,7 @@ SETUP = ("model", "shape", "gpu", "dtype", "torch", "transformers", "prompt", "g
 E2E_POINTS = ("cache", "batch")
 E2E_TIMED = ("at", "max_batch")  # the columns of points that were timed (`tokens_per_s`), as `e2e_table` reads
 KERNEL_COLUMNS = ("batch", "length", "boost_rate", "fused_ms", "unfused_ms", "sdpa_fp16_ms")
+CUDA_KERNEL_COLUMNS = ("batch", "length", "boost_rate", "cuda_ms", "triton_ms", "cudnn_ms")
 ACCURACY_COLUMNS = ("method", "kl", "perplexity", "top1", "bits_per_element")
 PASSKEY_COLUMNS = ("method", "length", "depth", "correct")
 
@@ -243,15 +245,31 @@ def boost_share(c) -> float:
     return c.boost_rate if c.quantize and c.key_bits == 2 else 1.0
 
 
-def read_passkey(path: Path) -> pd.DataFrame:
-    """Passkey trials, one row each."""
+def _csv(path: Path, columns) -> pd.DataFrame:
+    """A CSV result table that has `columns`."""
     try:
         df = pd.read_csv(path)
     except (OSError, UnicodeDecodeError, ValueError) as err:  # pandas' ParserError and EmptyDataError are ValueErrors
         raise ResultFileError(f"{Path(path).name} cannot be read as CSV ({err})") from None
-    missing = [c for c in PASSKEY_COLUMNS if c not in df]
+    missing = [c for c in columns if c not in df]
     if missing:
         raise ResultFileError(f"{Path(path).name} lacks the columns {', '.join(missing)}")
+    return df
+
+
+def read_passkey(path: Path) -> pd.DataFrame:
+    """Passkey trials, one row each."""
+    df = _csv(path, PASSKEY_COLUMNS)
     if df.empty or not pd.api.types.is_numeric_dtype(df["correct"]):
         raise ResultFileError(f"{Path(path).name} holds no trials with a numeric 'correct'")
+    return df
+
+
+def read_kernels_cuda(path: Path) -> pd.DataFrame:
+    """One row per shape and boost rate of `bench kernels --cuda`: the fused step with the CUDA and with
+    the Triton page kernel, and cuDNN's attention on FP16, in ms."""
+    df = _csv(path, CUDA_KERNEL_COLUMNS)
+    times = ["cuda_ms", "triton_ms", "cudnn_ms"]
+    if df.empty or not all(pd.api.types.is_numeric_dtype(df[c]) for c in times) or not (df[times] > 0).all().all():
+        raise ResultFileError(f"{Path(path).name} holds no shapes with positive times in {', '.join(times)}")
     return df

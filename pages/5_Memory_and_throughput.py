@@ -8,7 +8,7 @@ import streamlit as st
 from kitty_app import DATA, Progress, gpu_turn, sidebar
 from kitty_core import PRESETS
 from kitty_core.baselines import BASELINES
-from kitty_core.results import ResultFileError, e2e_table, read_e2e, read_kernels, real_table
+from kitty_core.results import ResultFileError, e2e_table, read_e2e, read_kernels, read_kernels_cuda, real_table
 from kitty_core.throughput import sweep
 
 frame = sidebar()
@@ -190,6 +190,50 @@ if kernels is not None:
     })
     st.caption("`python -m kitty_core.bench kernels` on one GPU: CUDA-graph replays, the same process for all three. "
                "TB/s: the bytes each one reads per second; copy: a device-to-device copy in the same run.")
+
+cuda_file = DATA / "results" / "kernels_cuda_h200_tail.csv"
+cuda = None
+if cuda_file.exists():
+    try:
+        cuda = read_kernels_cuda(cuda_file)
+    except ResultFileError as err:
+        st.warning(f"{err}: not a table as `bench kernels --cuda --out x.csv` writes them; skipped.")
+if cuda is not None:
+    st.subheader("The page kernel a default cache decodes with")
+    st.markdown(
+        "Where it applies (head and page size 128, nvcc on the machine) a cache's decode steps read the packed "
+        "pages with a CUDA C++ kernel, elsewhere with the Triton one; both run beside the same FP16 tail kernel "
+        "(sink, key q-buffer, value window). One layer's whole step with each, against cuDNN's attention over "
+        "an FP16 cache of the same shape."
+    )
+    cuda["shape"] = cuda["batch"].astype(str) + " x " + cuda["length"].astype(str)
+    boosts = sorted(cuda["boost_rate"].unique())
+    boost = st.radio("Boost rate", boosts, index=len(boosts) - 1, format_func=lambda b: f"{b:.1%}",
+                     horizontal=True, key="cuda_boost")
+    pick = cuda[cuda["boost_rate"] == boost]
+    names = {"cuda_ms": "CUDA page kernel (the default)", "triton_ms": "Triton page kernel",
+             "cudnn_ms": "cuDNN on FP16"}
+    long = pick.melt(id_vars="shape", value_vars=list(names), var_name="attention", value_name="ms")
+    long["attention"] = long["attention"].map(names)
+    device = pick["device"].iloc[0] if "device" in pick else "one GPU"
+    fig = px.bar(long, x="shape", y="ms", color="attention", barmode="group",
+                 labels={"shape": "batch x cache length (tokens)", "ms": "GPU time per step (ms)", "attention": ""},
+                 title=f"One layer's decode step on {device}, by page kernel (Qwen3-8B heads)")
+    st.plotly_chart(fig, width="stretch", key="cuda_kernels")
+    shown = ["shape", "cuda_vs_cudnn", "triton_vs_cudnn", "cuda_vs_triton", "tail_time_share", "fp16_byte_share",
+             "cuda_max_abs_err"]
+    st.dataframe(pick[[c for c in shown if c in pick]], hide_index=True, column_config={
+        "shape": st.column_config.TextColumn("batch x tokens"),
+        "cuda_vs_cudnn": st.column_config.NumberColumn("CUDA speed-up over cuDNN", format="%.2fx"),
+        "triton_vs_cudnn": st.column_config.NumberColumn("Triton speed-up over cuDNN", format="%.2fx"),
+        "cuda_vs_triton": st.column_config.NumberColumn("CUDA over Triton", format="%.2fx"),
+        "tail_time_share": st.column_config.NumberColumn("FP16 tail kernel alone / step", format="percent"),
+        "fp16_byte_share": st.column_config.NumberColumn("FP16 parts' share of the bytes", format="percent"),
+        "cuda_max_abs_err": st.column_config.NumberColumn("CUDA's largest error", format="%.1e"),
+    })
+    st.caption("`python -m kitty_core.bench kernels --cuda --out x.csv` on one GPU: CUDA-graph replays, interleaved "
+               "rounds, all three in one process. On the large grids the tail kernel takes about the share of the "
+               "step that the FP16 parts are of the bytes; on the small ones it is latency, beside the pages.")
 
 st.subheader("Live sweep on the loaded model")
 on_gpu = frame.lm.device.type == "cuda"

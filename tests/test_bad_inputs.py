@@ -100,6 +100,9 @@ def test_probe_layers_outside_the_model(layers, tmp_path, capsys):
     ("accuracy_a.json", '{"results": [{"method": "kitty-pro++", "kl": 0, "perplexity": 1, "top1": 1, '
                         '"bits_per_element": 2}]}', "names a method this version cannot read"),
     ("passkey_a.csv", "", "cannot be read as CSV"),
+    ("kernels_cuda_a.csv", "batch,length,boost_rate,cuda_ms,triton_ms,cudnn_ms\n64,8192,0.25,0.1,x,0.4\n",
+     "no shapes with positive times"),
+    ("kernels_cuda_b.csv", "batch,length,boost_rate\n64,8192,0.25\n", "lacks the columns cuda_ms, triton_ms"),
     ("passkey_b.csv", "method,length,depth\nfp16,1024,0.5\n", "lacks the columns correct"),
 ])
 def test_malformed_result_files_are_named_with_the_cause(tmp_path, name, text, says):
@@ -108,7 +111,8 @@ def test_malformed_result_files_are_named_with_the_cause(tmp_path, name, text, s
     path = tmp_path / name
     path.write_text(text)
     read = {"e2e": results.read_e2e, "kernels": results.read_kernels, "accuracy": results.read_accuracy,
-            "passkey": results.read_passkey}[name.split("_")[0]]
+            "passkey": results.read_passkey, "cuda": results.read_kernels_cuda}[
+        "cuda" if name.startswith("kernels_cuda") else name.split("_")[0]]
     with pytest.raises(results.ResultFileError, match=says) as err:
         read(path)
     assert name in str(err.value)
@@ -123,6 +127,8 @@ def test_the_saved_result_files_all_read():
     for path in saved.glob("e2e_*.json"):
         assert len(results.read_e2e(path)["points"])
     assert len(results.read_kernels(saved / "kernels_h200.json")[1])
+    for path in saved.glob("kernels_cuda_*.csv"):
+        assert len(results.read_kernels_cuda(path))
     for path in [*saved.glob("accuracy_*.json"), *saved.glob("rules_*.json")]:
         assert len(results.read_accuracy(path))
     assert len(results.read_passkey(saved / "passkey_demo_cpu.csv"))
