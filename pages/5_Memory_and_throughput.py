@@ -74,6 +74,27 @@ def charts(points: pd.DataFrame, key: str, on_cpu: bool = False) -> None:
     st.download_button("Download (CSV)", table.to_csv(index=False), f"{key}.csv", "text/csv", key=f"{key}-csv")
 
 
+def read_saved(path, reader, kind: str):
+    """A saved result file through its reader; None where there is none, or where it cannot be read
+    (then a warning names it and says why)."""
+    if not path.exists():
+        return None
+    try:
+        return reader(path)
+    except ResultFileError as err:
+        st.warning(f"{err}: not {kind}; skipped.")
+        return None
+
+
+def one_boost_rate(rows: pd.DataFrame, key: str, where=st) -> pd.DataFrame:
+    """The rows of the boost rate picked on a radio (the highest at first), with a "batch x length" shape."""
+    rows["shape"] = rows["batch"].astype(str) + " x " + rows["length"].astype(str)
+    boosts = sorted(rows["boost_rate"].unique())
+    boost = where.radio("Boost rate", boosts, index=len(boosts) - 1, format_func=lambda b: f"{b:.1%}",
+                        horizontal=True, key=key)
+    return rows[rows["boost_rate"] == boost]
+
+
 st.subheader("Saved runs")
 runs = {}
 for path in sorted((DATA / "results").glob("e2e_*.json")):
@@ -142,22 +163,13 @@ if saved:
 else:
     st.info("No saved runs in data/results (e2e_*.json).")
 
-kernels_file = DATA / "results" / "kernels_h200.json"
-kernels = None
-if kernels_file.exists():
-    try:
-        kernels = read_kernels(kernels_file)
-    except ResultFileError as err:
-        st.warning(f"{err}: not a kernel result file as `bench kernels --out x.json` writes them; skipped.")
+kernels = read_saved(DATA / "results" / "kernels_h200.json", read_kernels,
+                     "a kernel result file as `bench kernels --out x.json` writes them")
 if kernels is not None:
     st.subheader("Decode attention on packed pages")
     k_settings, rows = kernels
-    rows["shape"] = rows["batch"].astype(str) + " x " + rows["length"].astype(str)
     cols = st.columns(2)
-    boosts = sorted(rows["boost_rate"].unique())
-    boost = cols[0].radio("Boost rate", boosts, index=len(boosts) - 1, format_func=lambda b: f"{b:.1%}",
-                          horizontal=True, key="kernel_boost")
-    pick = rows[rows["boost_rate"] == boost]
+    pick = one_boost_rate(rows, "kernel_boost", cols[0])
     if "key_dots" in rows and rows["key_dots"].nunique() > 1:  # a run that timed both (`--key-dots fp16,int8`)
         dots = sorted(rows["key_dots"].unique())
         chosen = cols[1].radio("Page kernel's key dots", dots, index=dots.index("int8") if "int8" in dots else 0,
@@ -191,13 +203,8 @@ if kernels is not None:
     st.caption("`python -m kitty_core.bench kernels` on one GPU: CUDA-graph replays, the same process for all three. "
                "TB/s: the bytes each one reads per second; copy: a device-to-device copy in the same run.")
 
-cuda_file = DATA / "results" / "kernels_cuda_h200_tail.csv"
-cuda = None
-if cuda_file.exists():
-    try:
-        cuda = read_kernels_cuda(cuda_file)
-    except ResultFileError as err:
-        st.warning(f"{err}: not a table as `bench kernels --cuda --out x.csv` writes them; skipped.")
+cuda = read_saved(DATA / "results" / "kernels_cuda_h200_tail.csv", read_kernels_cuda,
+                  "a table as `bench kernels --cuda --out x.csv` writes them")
 if cuda is not None:
     st.subheader("The page kernel a default cache decodes with")
     st.markdown(
@@ -206,11 +213,7 @@ if cuda is not None:
         "(sink, key q-buffer, value window). One layer's whole step with each, against cuDNN's attention over "
         "an FP16 cache of the same shape."
     )
-    cuda["shape"] = cuda["batch"].astype(str) + " x " + cuda["length"].astype(str)
-    boosts = sorted(cuda["boost_rate"].unique())
-    boost = st.radio("Boost rate", boosts, index=len(boosts) - 1, format_func=lambda b: f"{b:.1%}",
-                     horizontal=True, key="cuda_boost")
-    pick = cuda[cuda["boost_rate"] == boost]
+    pick = one_boost_rate(cuda, "cuda_boost")
     names = {"cuda_ms": "CUDA page kernel (the default)", "triton_ms": "Triton page kernel",
              "cudnn_ms": "cuDNN on FP16"}
     long = pick.melt(id_vars="shape", value_vars=list(names), var_name="attention", value_name="ms")
