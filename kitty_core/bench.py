@@ -157,8 +157,8 @@ import torch  # noqa: E402
 
 from .kernel_bench import (bench_cuda, bench_kernels, fp16_attention, launch_defaults, pack_cost,  # noqa: E402
                            sweep_launch, unpack_modes)
-from .results import (ResultFileError, e2e_result, e2e_table, kernel_result, read_e2e, real_table,  # noqa: E402
-                      same_setup)
+from .results import (PAGE_KERNEL_RULE, ResultFileError, e2e_result, e2e_table, kernel_result, read_e2e,  # noqa: E402
+                      real_table, same_setup)
 
 
 def _caches(spec: str) -> list[str]:
@@ -241,8 +241,7 @@ def run_e2e(a) -> int:
                 "transformers": transformers.__version__, "prompt": a.prompt, "generate": a.generate,
                 "budget_gib": a.budget_gib, "points": a.points, "steps": a.steps, "decode": a.decode, "caches": caches,
                 "fused": is_fused(lm.model), "launch": launch_defaults(),
-                "page_kernel": "CUDA (kernels/cuda_decode.py) where it applies, else Triton, unless the cache names "
-                               "its engine's pages",
+                "page_kernel": PAGE_KERNEL_RULE,
                 "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
     sharding = _sharding(lm.model)
     if sharding:  # absent for a model on one device, as in the files of runs from before sharding

@@ -6,7 +6,7 @@ the file and what is wrong; the pages skip it with a warning.
 
     e2e_*.json        `bench e2e --out`: {settings: {model, shape, device, gpu, dtype, torch, transformers,
                       prompt, generate, budget_gib, points, steps, decode, caches, fused, launch,
-                      alloc_conf, sharding (only for a model split over GPUs), runs}, points: [...],
+                      alloc_conf, sharding (only for a model split over GPUs), page_kernel, runs}, points: [...],
                       probes: [...], skipped: [...], validation: [...], summary: [...]}
     kernels_*.json    `bench kernels --out x.json`: {settings: {device, torch, launch}, results: [{batch, length, ...}]}
     kernels_cuda_*.csv `bench kernels --cuda --out x.csv`: batch, length, boost_rate, cuda_ms, triton_ms, cudnn_ms, ...
@@ -42,7 +42,10 @@ class ResultFileError(ValueError):
 E2E_SETTINGS = ("model", "prompt", "generate", "caches")  # what every reader of an e2e file needs
 # the settings two e2e runs must share for one file to hold both (`same_setup`, `bench e2e --merge`)
 SETUP = ("model", "shape", "gpu", "dtype", "torch", "transformers", "prompt", "generate", "budget_gib", "points",
-         "steps", "decode", "fused", "alloc_conf", "sharding")
+         "steps", "decode", "fused", "alloc_conf", "sharding", "page_kernel")
+# which kernel a triton engine's decode steps read the pages with (an e2e file's `page_kernel`; files of
+# earlier versions, where Triton read them unless a cache named `pages=cuda`, have none, and do not merge)
+PAGE_KERNEL_RULE = "CUDA (kernels/cuda_decode.py) where it applies, else Triton, unless the cache names its pages"
 E2E_POINTS = ("cache", "batch")
 E2E_TIMED = ("at", "max_batch")  # the columns of points that were timed (`tokens_per_s`), as `e2e_table` reads
 KERNEL_COLUMNS = ("batch", "length", "boost_rate", "fused_ms", "unfused_ms", "sdpa_fp16_ms")
@@ -223,7 +226,16 @@ def read_kernels(path: Path) -> tuple[dict, pd.DataFrame]:
     df = _records(found, "results", KERNEL_COLUMNS, path)
     if df.empty:
         raise ResultFileError(f"{Path(path).name} holds no timed shapes")
+    _numbers(df, ("batch", "length", "boost_rate"), path)
     return found["settings"], df
+
+
+def _numbers(df: pd.DataFrame, columns, path: Path, positive: bool = False) -> None:
+    """Every value of `columns` a number (above 0 with `positive`), or a ResultFileError that names them."""
+    ok = all(pd.api.types.is_numeric_dtype(df[c]) and df[c].notna().all() for c in columns)
+    if not ok or (positive and not (df[list(columns)] > 0).all().all()):
+        raise ResultFileError(f"{Path(path).name} has {'non-positive, ' if positive else ''}non-numeric or missing "
+                              f"values in {', '.join(columns)}")
 
 
 def read_accuracy(path: Path) -> pd.DataFrame:
@@ -269,7 +281,8 @@ def read_kernels_cuda(path: Path) -> pd.DataFrame:
     """One row per shape and boost rate of `bench kernels --cuda`: the fused step with the CUDA and with
     the Triton page kernel, and cuDNN's attention on FP16, in ms."""
     df = _csv(path, CUDA_KERNEL_COLUMNS)
-    times = ["cuda_ms", "triton_ms", "cudnn_ms"]
-    if df.empty or not all(pd.api.types.is_numeric_dtype(df[c]) for c in times) or not (df[times] > 0).all().all():
-        raise ResultFileError(f"{Path(path).name} holds no shapes with positive times in {', '.join(times)}")
+    if df.empty:
+        raise ResultFileError(f"{Path(path).name} holds no timed shapes")
+    _numbers(df, ("batch", "length", "boost_rate"), path)
+    _numbers(df, ("cuda_ms", "triton_ms", "cudnn_ms"), path, positive=True)
     return df

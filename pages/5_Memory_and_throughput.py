@@ -88,7 +88,7 @@ def read_saved(path, reader, kind: str):
 
 def one_boost_rate(rows: pd.DataFrame, key: str, where=st) -> pd.DataFrame:
     """The rows of the boost rate picked on a radio (the highest at first), with a "batch x length" shape."""
-    rows["shape"] = rows["batch"].astype(str) + " x " + rows["length"].astype(str)
+    rows = rows.assign(shape=rows["batch"].astype(str) + " x " + rows["length"].astype(str))
     boosts = sorted(rows["boost_rate"].unique())
     boost = where.radio("Boost rate", boosts, index=len(boosts) - 1, format_func=lambda b: f"{b:.1%}",
                         horizontal=True, key=key)
@@ -235,8 +235,9 @@ if cuda is not None:
         "cuda_max_abs_err": st.column_config.NumberColumn("CUDA's largest error", format="%.1e"),
     })
     st.caption("`python -m kitty_core.bench kernels --cuda --out x.csv` on one GPU: CUDA-graph replays, interleaved "
-               "rounds, all three in one process. On the large grids the tail kernel takes about the share of the "
-               "step that the FP16 parts are of the bytes; on the small ones it is latency, beside the pages.")
+               "rounds, all three in one process. The tail kernel timed alone, as a share of the step, beside the "
+               "FP16 parts' share of the bytes the step reads: where the two are close, the tail costs what its "
+               "bytes do; where it takes far more, it is latency (few programs), partly hidden beside the pages.")
 
 st.subheader("Live sweep on the loaded model")
 on_gpu = frame.lm.device.type == "cuda"

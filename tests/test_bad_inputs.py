@@ -101,7 +101,9 @@ def test_probe_layers_outside_the_model(layers, tmp_path, capsys):
                         '"bits_per_element": 2}]}', "names a method this version cannot read"),
     ("passkey_a.csv", "", "cannot be read as CSV"),
     ("kernels_cuda_a.csv", "batch,length,boost_rate,cuda_ms,triton_ms,cudnn_ms\n64,8192,0.25,0.1,x,0.4\n",
-     "no shapes with positive times"),
+     "non-positive, non-numeric or missing values in cuda_ms, triton_ms, cudnn_ms"),
+    ("kernels_cuda_c.csv", "batch,length,boost_rate,cuda_ms,triton_ms,cudnn_ms\n64,8192,25%,0.1,0.2,0.4\n",
+     "non-numeric or missing values in batch, length, boost_rate"),
     ("kernels_cuda_b.csv", "batch,length,boost_rate\n64,8192,0.25\n", "lacks the columns cuda_ms, triton_ms"),
     ("passkey_b.csv", "method,length,depth\nfp16,1024,0.5\n", "lacks the columns correct"),
 ])
@@ -110,9 +112,9 @@ def test_malformed_result_files_are_named_with_the_cause(tmp_path, name, text, s
 
     path = tmp_path / name
     path.write_text(text)
-    read = {"e2e": results.read_e2e, "kernels": results.read_kernels, "accuracy": results.read_accuracy,
-            "passkey": results.read_passkey, "cuda": results.read_kernels_cuda}[
-        "cuda" if name.startswith("kernels_cuda") else name.split("_")[0]]
+    readers = [("e2e", results.read_e2e), ("kernels_cuda", results.read_kernels_cuda), ("kernels", results.read_kernels),
+               ("accuracy", results.read_accuracy), ("passkey", results.read_passkey)]
+    read = next(reader for prefix, reader in readers if name.startswith(prefix))
     with pytest.raises(results.ResultFileError, match=says) as err:
         read(path)
     assert name in str(err.value)

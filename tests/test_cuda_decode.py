@@ -138,7 +138,7 @@ def test_a_build_takes_both_depths_side_by_side_once_per_process(monkeypatch):
     first, a failure included: a broken toolchain is not tried again by every cache."""
     import threading
 
-    calls, both = [], threading.Barrier(2, timeout=60)
+    calls, both = [], threading.Barrier(2, timeout=10)
 
     def side_by_side(n_boost, stages):
         calls.append((n_boost, stages))
@@ -263,5 +263,5 @@ def test_generate_reads_the_pages_with_the_cuda_kernel_by_default():
     assert cache.engine.steps and all(type(s).__module__ == "kernels.cuda_decode" for s in cache.engine.steps.values())
     triton = KittyCache(model, "kitty-pro", engine="triton+pages=triton")
     want = _teacher_forced_logits(model, ids, out.sequences[:, 700:], triton)
-    assert not triton.engine._cuda_ok  # the Triton page kernel read every step's pages
+    assert triton.engine.steps and all(type(s).__module__ == "kernels.decode" for s in triton.engine.steps.values())
     torch.testing.assert_close(torch.stack(out.logits).float(), want, atol=0.3, rtol=0.05)
