@@ -158,7 +158,7 @@ import torch  # noqa: E402
 from .kernel_bench import (bench_cuda, bench_kernels, fp16_attention, launch_defaults, pack_cost,  # noqa: E402
                            sweep_launch, unpack_modes)
 from .results import (PAGE_KERNEL_RULE, ResultFileError, e2e_result, e2e_table, kernel_result, read_e2e,  # noqa: E402
-                      real_table, same_setup)
+                      real_table, setup_differences)
 
 
 def _caches(spec: str) -> list[str]:
@@ -258,8 +258,10 @@ def run_e2e(a) -> int:
             print(f"error: {err}; --merge adds to a file `bench e2e --out` wrote", file=sys.stderr)
             return 2
         earlier = json.loads(a.out.read_text())
-        if not same_setup(earlier["settings"], settings):
-            print(f"error: {a.out} holds a run of another model or settings; --merge needs the same", file=sys.stderr)
+        differ = setup_differences(earlier["settings"], settings)
+        if differ:
+            print(f"error: {a.out} holds a run of other settings ({', '.join(differ)} differ); --merge needs the same: "
+                  f"write this run to a file of its own", file=sys.stderr)
             return 2
 
     def current() -> dict:  # this command's rows, added to the earlier file's with --merge

@@ -40,7 +40,7 @@ class ResultFileError(ValueError):
 
 
 E2E_SETTINGS = ("model", "prompt", "generate", "caches")  # what every reader of an e2e file needs
-# the settings two e2e runs must share for one file to hold both (`same_setup`, `bench e2e --merge`)
+# the settings two e2e runs must share for one file to hold both (`setup_differences`, `bench e2e --merge`)
 SETUP = ("model", "shape", "gpu", "dtype", "torch", "transformers", "prompt", "generate", "budget_gib", "points",
          "steps", "decode", "fused", "alloc_conf", "sharding", "page_kernel")
 # which kernel a triton engine's decode steps read the pages with (an e2e file's `page_kernel`; files of
@@ -83,10 +83,10 @@ def e2e_result(settings: dict, points: list[dict], probes: list[dict], skipped: 
     return stamp(run)
 
 
-def same_setup(a: dict, b: dict) -> bool:
-    """Two e2e runs measured the same thing (model, GPU, versions, lengths, budget, points and steps
-    timed, decoding)."""
-    return all(a.get(k, False) == b.get(k, False) for k in SETUP)  # runs from before fusion: False
+def setup_differences(a: dict, b: dict) -> list[str]:
+    """The settings of `SETUP` in which two e2e runs differ (model, GPU, versions, lengths, budget,
+    points and steps timed, decoding, page kernel); a file from before a setting existed reads False."""
+    return [k for k in SETUP if a.get(k, False) != b.get(k, False)]
 
 
 def merge_runs(earlier: dict, run: dict, command: str) -> dict:

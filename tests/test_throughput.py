@@ -202,17 +202,20 @@ def _run_file(caches, points, command=None):
 
 
 def test_merged_runs_replace_the_caches_measured_again_and_name_both_commands():
-    from kitty_core.results import merge_runs, same_setup
+    from kitty_core.results import PAGE_KERNEL_RULE, merge_runs, setup_differences
 
     first = _run_file(["dynamic", "kitty", "kitty-pro"], [("dynamic", 96), ("kitty", 576), ("kitty-pro", 64)], "cmd 1")
     second = _run_file(["kitty-pro"], [("kitty-pro", 544)])
-    assert same_setup(first["settings"], second["settings"])
+    assert not setup_differences(first["settings"], second["settings"])
     merged = merge_runs(first, second, "cmd 2")
     assert [(r["cache"], r["batch"]) for r in merged["points"]] == [("dynamic", 96), ("kitty", 576), ("kitty-pro", 544)]
     assert merged["settings"]["runs"] == [{"command": "cmd 1", "caches": ["dynamic", "kitty"]},
                                           {"command": "cmd 2", "caches": ["kitty-pro"]}]
     assert merged["settings"]["caches"] == ["dynamic", "kitty", "kitty-pro"]
-    assert not same_setup(first["settings"], dict(second["settings"], generate=4096))
+    assert setup_differences(first["settings"], dict(second["settings"], generate=4096)) == ["generate"]
+    # against a file written before e2e runs recorded their page kernel, as `first` was
+    newer = dict(second["settings"], generate=4096, page_kernel=PAGE_KERNEL_RULE)
+    assert setup_differences(first["settings"], newer) == ["generate", "page_kernel"]
 
 
 def test_real_generations_compare_max_batches_of_the_same_length():
