@@ -250,8 +250,9 @@ def test_generate_reads_the_pages_with_the_cuda_kernel_by_default():
     (inductor, CUDA graphs) whose pages the CUDA kernel reads. 300 greedy tokens after a 700-token
     prompt (pages packed between replays), then the same tokens fed through eager steps whose pages
     the Triton kernel reads (`triton+pages=triton`): the logits agree at every step. Weights of
-    std 0.1 make logits of std ~1.5, which replacing the prompt's first 600 tokens moves by up to
-    ~6 (fp32 on a CPU): the tolerance is well below what wrong pages would do."""
+    std 0.1 make logits of std 1.6. On one H200 the compiled steps differ from the eager ones by at
+    most 0.33 (median 0.07 over the steps), while eager steps after a prompt whose first 600 tokens
+    are replaced differ by 4.9 or more at nine steps in ten: the tolerance sits between the two."""
     from kitty_core import KittyCache
 
     model = _qwen3_head_128(initializer_range=0.1, dtype=torch.float16)
@@ -264,4 +265,4 @@ def test_generate_reads_the_pages_with_the_cuda_kernel_by_default():
     triton = KittyCache(model, "kitty-pro", engine="triton+pages=triton")
     want = _teacher_forced_logits(model, ids, out.sequences[:, 700:], triton)
     assert triton.engine.steps and all(type(s).__module__ == "kernels.decode" for s in triton.engine.steps.values())
-    torch.testing.assert_close(torch.stack(out.logits).float(), want, atol=0.3, rtol=0.05)
+    torch.testing.assert_close(torch.stack(out.logits).float(), want, atol=1.0, rtol=0)

@@ -118,6 +118,17 @@ __device__ __forceinline__ float plane_scale(int p) { return 16777216.f / float(
 template <typename T> __device__ __forceinline__ float to_f(T x);
 template <> __device__ __forceinline__ float to_f<half>(half x) { return __half2float(x); }
 template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+// four queries (8 bytes) as floats
+template <typename T> __device__ __forceinline__ float4 to_f4(uint2 w);
+template <> __device__ __forceinline__ float4 to_f4<half>(uint2 w) {
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&w.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&w.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+template <> __device__ __forceinline__ float4 to_f4<__nv_bfloat16>(uint2 w) {  // bf16 -> fp32: the high half
+  return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u), __uint_as_float(w.y << 16),
+                     __uint_as_float(w.y & 0xffff0000u));
+}
 template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ half from_f<half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
@@ -165,8 +176,17 @@ __device__ __forceinline__ void issue_page(uint8_t* st, const PageArgs& a, int k
   }
 }
 
+// blocks an SM the registers must allow: four at one stage (128 registers a thread), where shared
+// memory fits four blocks for up to four query heads a KV head
+template <int STAGES> constexpr int min_blocks() { return STAGES == 1 ? 4 : 2; }
+
+// a warp's shared memory: the n = 8 tile's query rows (as given, 2 bytes each; rows past the group's
+// heads zero) and its stages
+template <int NB, int STAGES>
+__host__ __device__ constexpr int warp_bytes() { return RMAX * D * 2 + STAGES * Layout<NB>::BYTES; }
+
 template <typename T, int NB, int STAGES>
-__global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
+__global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const PageArgs a) {
   using L = Layout<NB>;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -176,7 +196,7 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
   const int chunk = item % a.chunks;
   const int h = (item / a.chunks) % a.hkv;
   const int b = item / (a.chunks * a.hkv);
-  float* qs = reinterpret_cast<float*>(smem + warp * (RMAX * D * 4 + STAGES * L::BYTES));
+  T* qs = reinterpret_cast<T*>(smem + warp * warp_bytes<NB, STAGES>());
   uint8_t* stages = reinterpret_cast<uint8_t*>(qs + RMAX * D);
 
   // the sequence's live slots spread evenly over the grid's chunks, at most ppp each (the grid has
@@ -205,8 +225,8 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
   }
   const T* q = reinterpret_cast<const T*>(a.q) + b * a.sQb + (long long)(h * a.rep) * a.sQh;
   for (int i = lane; i < RMAX * D; i += 32) {
-    int r = i / D, c = i % D;
-    qs[i] = r < a.rep ? to_f<T>(q[r * a.sQh + c]) * a.scaling : 0.f;
+    const int r = i / D;
+    qs[i] = r < a.rep ? q[r * a.sQh + i % D] : from_f<T>(0.f);
   }
   __syncwarp();
 
@@ -236,7 +256,7 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
 #pragma unroll
     for (int v = 0; v < 2; ++v) {
       const int c = 64 * v + 16 * t;
-      const float4* qp = reinterpret_cast<const float4*>(qs + g * D + c);
+      const uint2* qp = reinterpret_cast<const uint2*>(qs + g * D + c);
       const uint4 ksw0 = *reinterpret_cast<const uint4*>(st + L::KS + 2 * c);
       const uint4 ksw1 = *reinterpret_cast<const uint4*>(st + L::KS + 2 * c + 16);
       const uint4 kzw0 = *reinterpret_cast<const uint4*>(st + L::KZ + 2 * c);
@@ -245,7 +265,7 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
       const uint32_t kzw[8] = {kzw0.x, kzw0.y, kzw0.z, kzw0.w, kzw1.x, kzw1.y, kzw1.z, kzw1.w};
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        const float4 qv = qp[w];
+        const float4 qv = to_f4<T>(qp[w]);
         const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&ksw[2 * w]));
         const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&ksw[2 * w + 1]));
         const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&kzw[2 * w]));
@@ -269,7 +289,7 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
           const int ch = (chs >> (8 * j)) & 0xff;
           const float sc = __half2float(*reinterpret_cast<const half*>(st + L::KS + 2 * ch));
           // x 4 after the fp16 rounding, as 4 x the fp16 q x scale of the same channel: exact
-          qb[j] = 4.f * __half2float(__float2half_rn(qs[g * D + ch] * sc));
+          qb[j] = 4.f * __half2float(__float2half_rn(to_f<T>(qs[g * D + ch]) * sc));
         }
         hb[w][0] = pack_half2(qb[0], qb[2]);
         hb[w][1] = pack_half2(qb[1], qb[3]);
@@ -277,6 +297,7 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
     }
     zq += __shfl_xor_sync(~0u, zq, 1);
     zq += __shfl_xor_sync(~0u, zq, 2);
+    zq *= a.scaling;
     const float zero0 = __shfl_sync(~0u, zq, 8 * t), zero1 = __shfl_sync(~0u, zq, 8 * t + 4);
 
     // ---- scores: 8 tiles (token quarter P, half jh) of 16 tokens x 8 heads ----
@@ -320,7 +341,7 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
             mma(s[P][jh], plane_rt(hw[0][w], P), plane_rt(hw[1][w], P), plane_rt(hws[0][w], P),
                 plane_rt(hws[1][w], P), hb[w][0], hb[w][1]);
         }
-        const float f = plane_scale(P);
+        const float f = plane_scale(P) * a.scaling;
         c[0] = c[0] * f + zero0; c[1] = c[1] * f + zero1;
         c[2] = c[2] * f + zero0; c[3] = c[3] * f + zero1;
       }
@@ -423,12 +444,10 @@ __global__ void __launch_bounds__(128) pages_kernel(const PageArgs a) {
   }
 }
 
-template <int NB, int STAGES>
-size_t smem_bytes(int warps) { return warps * (RMAX * D * 4 + STAGES * Layout<NB>::BYTES); }
 
 template <typename T, int NB, int STAGES>
 int launch_t(const PageArgs& a, int warps, cudaStream_t stream) {
-  const size_t bytes = smem_bytes<NB, STAGES>(warps);
+  const size_t bytes = (size_t)warps * warp_bytes<NB, STAGES>();
   auto kern = pages_kernel<T, NB, STAGES>;
   // the shared-memory limit is an attribute of the kernel in one device's context: set once per device
   // (a model split over GPUs launches on each), for the most warps a block takes, before any capture
@@ -439,7 +458,7 @@ int launch_t(const PageArgs& a, int warps, cudaStream_t stream) {
   if (e != cudaSuccess) return (int)e;
   if (dev >= DEVICES) return (int)cudaErrorInvalidDevice;
   if (!sized[dev]) {
-    e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<NB, STAGES>(4));
+    e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, 4 * warp_bytes<NB, STAGES>());
     if (e != cudaSuccess) return (int)e;
     sized[dev] = true;
   }
