@@ -66,6 +66,9 @@ def arguments():
                    "(default: its launch plan)")
     k.add_argument("--stages", default=None, help="with --cuda: the CUDA kernel's cp.async stages, 1, 2 or 1,2 "
                    "(default: its launch plan)")
+    k.add_argument("--launch-once", action="store_true", help="with --cuda: instead, launch each setting's CUDA "
+                   "step once, untimed, with no other page kernel: for Nsight Compute, e.g. ncu --kernel-name "
+                   "pages_kernel --set full -o pages python -m kitty_core.bench kernels --cuda --launch-once ...")
     k.add_argument("--grid-tokens", type=count(1), default=None, help="with --cuda: size the page kernels' grids "
                    "for sequences of this many tokens, as a CUDA graph's step over a cache of that capacity "
                    "(default: each shape's length)")
@@ -132,6 +135,8 @@ def refusal(a) -> str | None:
     if getattr(a, "tp", False) and not all(v in os.environ for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
         return (f"--tp runs one process per GPU, started by torchrun: torchrun --nproc-per-node 2 -m "
                 f"kitty_core.bench {a.what} --tp ... (or --device-map auto in one process)")
+    if getattr(a, "launch_once", False) and not a.cuda:
+        return "--launch-once launches the CUDA page kernel: give it with --cuda"
     grid = getattr(a, "grid_tokens", None)
     if grid is not None:
         if not a.cuda:
@@ -155,8 +160,8 @@ import shlex  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from .kernel_bench import (bench_cuda, bench_kernels, fp16_attention, launch_defaults, pack_cost,  # noqa: E402
-                           sweep_launch, unpack_modes)
+from .kernel_bench import (bench_cuda, bench_kernels, fp16_attention, launch_cuda_once, launch_defaults,  # noqa: E402
+                           pack_cost, sweep_launch, unpack_modes)
 from .results import (PAGE_KERNEL_RULE, ResultFileError, e2e_result, e2e_table, kernel_result, read_e2e,  # noqa: E402
                       real_table, setup_differences)
 
@@ -389,6 +394,11 @@ def run_kernels(a) -> int:
     if a.cuda:
         ppps = [int(x) for x in a.ppp.split(",")] if a.ppp else [None]
         stages = [int(x) for x in a.stages.split(",")] if a.stages else [None]
+        if a.launch_once:
+            launches = launch_cuda_once(shapes, [float(x) for x in a.boost.split(",")], ppps, stages,
+                                        grid_tokens=a.grid_tokens)
+            print(launches.to_string(index=False), flush=True)
+            return 0
         with progress_bar("kernels", "setting") as progress:
             df = bench_cuda(shapes, [float(x) for x in a.boost.split(",")], ppps, stages,
                             grid_tokens=a.grid_tokens, progress=progress)

@@ -247,6 +247,37 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
     return pd.DataFrame(rows)
 
 
+def launch_cuda_once(shapes, boosts, pages_per_program=(None,), stages=(None,), q_heads=32, kv_heads=8,
+                     head_dim=128, dtype=torch.bfloat16, grid_tokens=None) -> pd.DataFrame:
+    """Per shape, boost rate and launch setting: the fused step with the CUDA page kernel launched
+    once, eagerly and untimed, and nothing else that reads pages (no Triton page kernel, no cuDNN):
+    a process for a profiler to attach to, `ncu --kernel-name pages_kernel ...` (`docs/engine.md`).
+    Returns the launches (shape, boost, pages per program, stages, programs)."""
+    from kernels import cuda_decode
+
+    rows = []
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    for batch, length in shapes:
+        for boost in boosts:
+            layer, q, scale = packed_step((batch, length), boost, q_heads, kv_heads, head_dim, dtype)
+            state = grid_state(layer, grid_tokens)
+            why = cuda_decode.unsupported(head_dim, layer.config.group_size, layer.n_boost, layer.config.value_bits,
+                                          q_heads // kv_heads, dtype, q.device) or cuda_decode.build(layer.n_boost)
+            if why:
+                raise RuntimeError(f"the CUDA page kernel does not apply: {why}")
+            for ppp in pages_per_program:
+                for st in stages:
+                    cuda_decode.decode_attention(layer, q, scale, {}, state, ppp, stages=st)
+                    torch.cuda.synchronize()
+                    planned_ppp, planned_st = cuda_decode.launch_plan(batch * kv_heads, state["max_slots"], sms, ppp)
+                    rows.append({"batch": batch, "length": length, "grid_tokens": grid_tokens or length,
+                                 "boost_rate": boost, "ppp": planned_ppp, "stages": st or planned_st,
+                                 "programs": batch * kv_heads * -(-state["max_slots"] // planned_ppp)})
+            del layer, state, q
+            torch.cuda.empty_cache()
+    return pd.DataFrame(rows)
+
+
 def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
     """Fused kernel GPU time over launch settings (pages per program, warps, stages, register cap)."""
     from kernels.decode import decode_attention

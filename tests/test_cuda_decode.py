@@ -122,6 +122,23 @@ def test_dead_programs_are_skipped_whatever_the_workspace_holds():
     torch.testing.assert_close(again.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+def test_a_launch_for_a_profiler_runs_the_cuda_page_kernel_and_no_other_page_kernel():
+    """`bench kernels --cuda --launch-once`: each setting's step once, its pages read by the CUDA
+    kernel alone (a profiler filtering on `pages_kernel` finds the CUDA kernel, not Triton's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kitty_core.kernel_bench import launch_cuda_once
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        launches = launch_cuda_once([(2, 2000)], [0.25], pages_per_program=(4, None), stages=(1,))
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    pages = [n for n in names if "pages_kernel" in n]
+    assert len(pages) == 2 and all("kitty" in n for n in pages), pages
+    assert launches["ppp"].tolist()[0] == 4 and launches["stages"].tolist() == [1, 1]
+    assert (launches["programs"] > 0).all()
+
+
 def test_unsupported_says_why_without_a_gpu_or_for_other_shapes():
     cpu = torch.device("cpu")
     assert cuda_decode.unsupported(D, G, 32, 2, 4, torch.bfloat16, cpu) == "no CUDA device"
