@@ -28,14 +28,15 @@
 // large offset is added and taken away again (as 1024 + code would need), so the accumulators no
 // longer lose about 8 bits to it.
 // Per-channel key scales fold into the queries, per-token value scales into the weights; the
-// softmax runs in base 2 (the queries carry log2 e).
+// softmax runs in base 2 (the scores' scale carries log2 e, with the softmax scale and 2^24 / 4^P).
 //
 // Pipelining: each warp streams its pages through STAGES shared-memory buffers with cp.async
 // (page p + STAGES - 1 is in flight while page p is computed); a page's planes, scales and boost
 // index are one group. With one stage a warp waits for each page's copy, and other warps hide it:
-// the block's smaller footprint lets three blocks share an SM instead of two (`launch_plan` in
-// `kernels/cuda_decode.py` takes one stage for deep grids only). Shared-memory rows are XOR-swizzled so that the fragment reads hit distinct
-// banks.
+// the block's smaller footprint (the queries kept as given, 2 KiB a warp, and one page buffer) and
+// 128 registers a thread let four blocks share an SM instead of two (`launch_plan` in
+// `kernels/cuda_decode.py` takes one stage for deep grids only). Shared-memory rows are
+// XOR-swizzled so that the fragment reads hit distinct banks.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
