@@ -35,7 +35,7 @@ WARPS = 4  # programs (warps) per block: 2 blocks an SM at two cp.async stages, 
 # heads, bf16, `docs/engine.md`) one stage took 6-11% off the step at 544 x 4,704 and 256 x 16,384
 # tokens (8 waves) and moved it by -2% to +3.5% on the grids of about one wave (64 x 8,192,
 # 8 x 32,768, 1 x 131,072). At one stage every build fits four blocks an SM (128 registers a thread,
-# `__launch_bounds__`; 49-50 KiB of shared memory a block)
+# `__launch_bounds__`; 44-53 KiB of shared memory a block)
 DEEP_WAVES = 2
 # a `build` slower than this ran nvcc (on one H200: 27 s a build; a whole process that loaded one from
 # torch's extension cache, 4 s)

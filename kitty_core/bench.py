@@ -137,6 +137,8 @@ def refusal(a) -> str | None:
                 f"kitty_core.bench {a.what} --tp ... (or --device-map auto in one process)")
     if getattr(a, "launch_once", False) and not a.cuda:
         return "--launch-once launches the CUDA page kernel: give it with --cuda"
+    if getattr(a, "launch_once", False) and a.out:
+        return "--launch-once times nothing and writes no table: drop --out"
     grid = getattr(a, "grid_tokens", None)
     if grid is not None:
         if not a.cuda:

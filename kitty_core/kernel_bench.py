@@ -166,6 +166,27 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
     return pd.DataFrame(rows)
 
 
+def _cuda_kernel_for(layer: KittyLayer, q_heads: int, kv_heads: int, head_dim: int, dtype, device) -> None:
+    """Build (or load) the CUDA page kernel for `layer`; raises where it does not apply."""
+    from kernels import cuda_decode
+
+    why = cuda_decode.unsupported(head_dim, layer.config.group_size, layer.n_boost, layer.config.value_bits,
+                                  q_heads // kv_heads, dtype, device) or cuda_decode.build(layer.n_boost)
+    if why:
+        raise RuntimeError(f"the CUDA page kernel does not apply: {why}")
+
+
+def _cuda_launch(batch: int, kv_heads: int, state: dict, ppp: int | None, stages: int | None) -> dict:
+    """The CUDA page launch a setting makes: pages per program and stages (the launch plan's where
+    None) and its programs."""
+    from kernels import cuda_decode
+
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    planned_ppp, planned_st = cuda_decode.launch_plan(batch * kv_heads, state["max_slots"], sms, ppp)
+    return {"ppp": planned_ppp, "stages": stages or planned_st,
+            "programs": batch * kv_heads * -(-state["max_slots"] // planned_ppp)}
+
+
 def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_heads=32, kv_heads=8, head_dim=128,
                dtype=torch.bfloat16, rounds=5, grid_tokens=None, progress=None) -> pd.DataFrame:
     """Per shape and boost rate: the fused step with the CUDA page kernel (`kernels.cuda_decode`, per
@@ -197,10 +218,7 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
                 progress(len(rows), len(shapes) * len(boosts), f"{batch}x{length}, boost {boost:g}")
             layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
             state = grid_state(layer, grid_tokens)
-            why = cuda_decode.unsupported(head_dim, layer.config.group_size, layer.n_boost, layer.config.value_bits,
-                                          q_heads // kv_heads, dtype, q.device) or cuda_decode.build(layer.n_boost)
-            if why:
-                raise RuntimeError(f"the CUDA page kernel does not apply: {why}")
+            _cuda_kernel_for(layer, q_heads, kv_heads, head_dim, dtype, q.device)
             ref = decode_attention_reference(layer, q, scale).float()
             ws_t = {}
             triton = lambda: decode_attention(layer, q, scale, ws_t, state)  # noqa: E731
@@ -223,13 +241,11 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
             parts = layer.nbytes()
             read = sum(parts.values()) + q.numel() * q.element_size()
             fp16 = sum(parts[name] for name in FP16_PARTS)
-            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
             for ppp, st in variants:
-                planned_ppp, planned_st = cuda_decode.launch_plan(batch * kv_heads, state["max_slots"], sms, ppp)
+                launch = _cuda_launch(batch, kv_heads, state, ppp, st)
                 rows.append({
                     "batch": batch, "length": length, "grid_tokens": grid_tokens or length, "boost_rate": boost,
-                    "ppp": planned_ppp,
-                    "stages": st or planned_st,
+                    "ppp": launch["ppp"], "stages": launch["stages"],
                     "cuda_ms": ms[ppp, st], "triton_ms": ms["triton"], "cudnn_ms": ms["cudnn"],
                     "cuda_vs_cudnn": ms["cudnn"] / ms[ppp, st], "triton_vs_cudnn": ms["cudnn"] / ms["triton"],
                     "cuda_vs_triton": ms["triton"] / ms[ppp, st], "packed_bytes": read,
@@ -256,23 +272,17 @@ def launch_cuda_once(shapes, boosts, pages_per_program=(None,), stages=(None,), 
     from kernels import cuda_decode
 
     rows = []
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     for batch, length in shapes:
         for boost in boosts:
             layer, q, scale = packed_step((batch, length), boost, q_heads, kv_heads, head_dim, dtype)
             state = grid_state(layer, grid_tokens)
-            why = cuda_decode.unsupported(head_dim, layer.config.group_size, layer.n_boost, layer.config.value_bits,
-                                          q_heads // kv_heads, dtype, q.device) or cuda_decode.build(layer.n_boost)
-            if why:
-                raise RuntimeError(f"the CUDA page kernel does not apply: {why}")
+            _cuda_kernel_for(layer, q_heads, kv_heads, head_dim, dtype, q.device)
             for ppp in pages_per_program:
                 for st in stages:
                     cuda_decode.decode_attention(layer, q, scale, {}, state, ppp, stages=st)
                     torch.cuda.synchronize()
-                    planned_ppp, planned_st = cuda_decode.launch_plan(batch * kv_heads, state["max_slots"], sms, ppp)
                     rows.append({"batch": batch, "length": length, "grid_tokens": grid_tokens or length,
-                                 "boost_rate": boost, "ppp": planned_ppp, "stages": st or planned_st,
-                                 "programs": batch * kv_heads * -(-state["max_slots"] // planned_ppp)})
+                                 "boost_rate": boost, **_cuda_launch(batch, kv_heads, state, ppp, st)})
             del layer, state, q
             torch.cuda.empty_cache()
     return pd.DataFrame(rows)

@@ -45,6 +45,8 @@ def test_a_kernel_grid_narrower_than_the_shapes_is_refused_before_any_kernel(cap
     assert "give it with --cuda" in capsys.readouterr().err
     assert bench.main(["kernels", "--launch-once"]) == 2
     assert "--launch-once launches the CUDA page kernel: give it with --cuda" in capsys.readouterr().err
+    assert bench.main(["kernels", "--cuda", "--launch-once", "--out", "x.csv"]) == 2
+    assert "--launch-once times nothing and writes no table: drop --out" in capsys.readouterr().err
 
 
 def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys):

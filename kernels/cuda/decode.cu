@@ -177,12 +177,18 @@ __device__ __forceinline__ void issue_page(uint8_t* st, const PageArgs& a, int k
   }
 }
 
-// blocks an SM the registers must allow: four at one stage (128 registers a thread), where shared
-// memory fits four blocks for up to four query heads a KV head
+// blocks an SM the registers must allow: four at one stage (128 registers a thread; shared memory
+// holds four at every boosted-channel count), two at two stages (shared memory's limit)
 template <int STAGES> constexpr int min_blocks() { return STAGES == 1 ? 4 : 2; }
 
-// a warp's shared memory: the n = 8 tile's query rows (as given, 2 bytes each; rows past the group's
-// heads zero) and its stages
+// The queries are kept in shared memory in their own dtype times Q_SHIFT, which is exact (a power of
+// two). The fp16 operands q x key scale (and 4 x that for boosted channels) then have the range they
+// had when the softmax scale (about 0.13 at head size 128) was folded into the queries; 8 x the
+// softmax scale comes back in the scores' factor.
+constexpr float Q_SHIFT = 0.125f;
+
+// a warp's shared memory: the n = 8 tile's query rows (2 bytes each; rows past the group's heads
+// zero) and its stages
 template <int NB, int STAGES>
 __host__ __device__ constexpr int warp_bytes() { return RMAX * D * 2 + STAGES * Layout<NB>::BYTES; }
 
@@ -227,7 +233,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
   const T* q = reinterpret_cast<const T*>(a.q) + b * a.sQb + (long long)(h * a.rep) * a.sQh;
   for (int i = lane; i < RMAX * D; i += 32) {
     const int r = i / D;
-    qs[i] = r < a.rep ? q[r * a.sQh + i % D] : from_f<T>(0.f);
+    qs[i] = from_f<T>(r < a.rep ? to_f<T>(q[r * a.sQh + i % D]) * Q_SHIFT : 0.f);
   }
   __syncwarp();
 
@@ -298,7 +304,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     }
     zq += __shfl_xor_sync(~0u, zq, 1);
     zq += __shfl_xor_sync(~0u, zq, 2);
-    zq *= a.scaling;
+    zq *= a.scaling / Q_SHIFT;
     const float zero0 = __shfl_sync(~0u, zq, 8 * t), zero1 = __shfl_sync(~0u, zq, 8 * t + 4);
 
     // ---- scores: 8 tiles (token quarter P, half jh) of 16 tokens x 8 heads ----
@@ -342,7 +348,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
             mma(s[P][jh], plane_rt(hw[0][w], P), plane_rt(hw[1][w], P), plane_rt(hws[0][w], P),
                 plane_rt(hws[1][w], P), hb[w][0], hb[w][1]);
         }
-        const float f = plane_scale(P) * a.scaling;
+        const float f = plane_scale(P) * (a.scaling / Q_SHIFT);
         c[0] = c[0] * f + zero0; c[1] = c[1] * f + zero1;
         c[2] = c[2] * f + zero0; c[3] = c[3] * f + zero1;
       }
