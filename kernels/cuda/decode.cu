@@ -33,8 +33,8 @@
 // Pipelining: each warp streams its pages through STAGES shared-memory buffers with cp.async
 // (page p + STAGES - 1 is in flight while page p is computed); a page's planes, scales and boost
 // index are one group. With one stage a warp waits for each page's copy, and other warps hide it:
-// the block's smaller footprint (the queries kept as given, 2 KiB a warp, and one page buffer) and
-// 128 registers a thread let four blocks share an SM instead of two (`launch_plan` in
+// the block's smaller footprint (the queries kept in their own dtype, 2 KiB a warp, and one page
+// buffer) and 128 registers a thread let four blocks share an SM instead of two (`launch_plan` in
 // `kernels/cuda_decode.py` takes one stage for deep grids only). Shared-memory rows are
 // XOR-swizzled so that the fragment reads hit distinct banks.
 
@@ -450,7 +450,6 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     if (h1 < a.rep) { a.m[mrow + h1 * a.sMh] = m1 * LN2; a.l[mrow + h1 * a.sMh] = l1; }
   }
 }
-
 
 template <typename T, int NB, int STAGES>
 int launch_t(const PageArgs& a, int warps, cudaStream_t stream) {
