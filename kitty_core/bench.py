@@ -68,7 +68,7 @@ def arguments():
                    "(default: its launch plan)")
     k.add_argument("--launch-once", action="store_true", help="with --cuda: instead, launch each setting's CUDA "
                    "step once, untimed, with no other page kernel: for Nsight Compute, e.g. ncu --kernel-name "
-                   "pages_kernel --set full -o pages python -m kitty_core.bench kernels --cuda --launch-once ...")
+                   "regex:pages_kernel --set full -o pages python -m kitty_core.bench kernels --cuda --launch-once ...")
     k.add_argument("--grid-tokens", type=count(1), default=None, help="with --cuda: size the page kernels' grids "
                    "for sequences of this many tokens, as a CUDA graph's step over a cache of that capacity "
                    "(default: each shape's length)")

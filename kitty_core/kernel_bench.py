@@ -267,7 +267,7 @@ def launch_cuda_once(shapes, boosts, pages_per_program=(None,), stages=(None,), 
                      head_dim=128, dtype=torch.bfloat16, grid_tokens=None) -> pd.DataFrame:
     """Per shape, boost rate and launch setting: the fused step with the CUDA page kernel launched
     once, eagerly and untimed, and nothing else that reads pages (no Triton page kernel, no cuDNN):
-    a process for a profiler to attach to, `ncu --kernel-name pages_kernel ...` (`docs/engine.md`).
+    a process for a profiler to attach to, `ncu --kernel-name regex:pages_kernel ...` (`docs/engine.md`).
     Returns the launches (shape, boost, pages per program, stages, programs)."""
     from kernels import cuda_decode
 
