@@ -6,7 +6,10 @@ writes the same partial softmaxes as the Triton page kernel, so the Triton tail 
 sink, q-buffer and value window) and the combine stay as they are: `decode_attention` is the Triton
 step with its page launch replaced. Why the layout is chosen there (tensor-core fragments built from
 codes in registers, query heads as the narrow operand, the score tile transposed into the value
-operand with `movmatrix`, cp.async stages per warp) is written at the top of the .cu file.
+operand with `movmatrix`, cp.async stages per warp, key dots in 8 bits) is written at the top of the
+.cu file. Its key dots are int8, rounded as the Triton kernel's int8 key dots are (the library's
+choice at this head size, `kernels.decode.INT8_KEY_DOTS_FROM`), so the two kernels agree to within
+that rounding.
 
 It takes head and page size 128, two-bit values, 0, 16, 32 or 64 boosted channels (0%, 12.5%, 25%,
 50% of 128), up to 8 query heads per KV head, fp16 or bf16 queries, on a GPU of compute capability

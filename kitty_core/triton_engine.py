@@ -59,7 +59,7 @@ class TritonEngine(ReferenceEngine):
             key_dots_of(key_dots, 0)  # a clear error now, not at the first decode step
             if pages == "cuda":
                 raise ValueError(f"key_dots={key_dots} sets the Triton page kernel's dots, and pages=cuda reads the "
-                                 "pages with the CUDA kernel (fp16 dots): give one or the other")
+                                 "pages with the CUDA kernel (int8 dots): give one or the other")
             pages = "triton"
         self.key_dots, self.pages = key_dots, pages
         self._cuda_ok: dict[tuple | str, bool] = {}  # per layer shape: does the CUDA page kernel take it

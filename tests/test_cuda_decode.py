@@ -12,6 +12,10 @@ SINK, G, D = 32, 128, 128
 # a sequence with no pages yet (sink only), one with its q-buffer half full, one page, several pages,
 # a full q-buffer not yet packed, and one long enough for several programs of pages
 LENS = [5, SINK + G // 2, SINK + 2 * G + 5, SINK + 3 * G, SINK + 9 * G + 17, SINK + 40 * G + 3]
+# The kernel's key dots are int8 (the query x key scale rounded to 8 bits per page and head), as the
+# Triton kernel's at this head size, and its outputs are as far from the reference as those
+# (tests/test_kernels.py: up to ~3e-2 on an H200). A misplaced plane or scale moves them by whole units.
+TOL = dict(atol=5e-2, rtol=5e-2)
 
 
 def _layer(spec, lens, heads, dtype, seed=0, decode_steps=3):
@@ -43,14 +47,13 @@ def test_cuda_page_kernel_matches_reference(boost, dtype):
 
     q = torch.randn(len(LENS), 8, 1, D, device="cuda", dtype=dtype)
     ref = decode_attention_reference(layer, q, D**-0.5).float()
-    triton = decode_attention(layer, q, D**-0.5).float()
-    tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=5e-3, rtol=1e-2)
+    triton = decode_attention(layer, q, D**-0.5, key_dots="int8").float()
     for ppp in (None, 1, 2, 32):
         for stages in (1, 2):  # the launch plan's two pipeline depths
             out = cuda_decode.decode_attention(layer, q, D**-0.5, pages_per_program=ppp, stages=stages).float()
             assert out.shape == ref.shape
-            torch.testing.assert_close(out, ref, **tol)
-            # as close to the reference as the Triton kernel, give or take the partials' rounding
+            torch.testing.assert_close(out, ref, **TOL)
+            # as close to the reference as the Triton kernel (int8 key dots too), give or take the rounding
             assert (out - ref).abs().max() <= 2 * (triton - ref).abs().max() + 4e-3
 
 
@@ -76,7 +79,7 @@ def test_cuda_page_kernel_for_gqa_groups(rep):
     q = torch.randn(len(LENS) - 2, 2 * rep, 1, D, device="cuda", dtype=torch.bfloat16)
     ref = decode_attention_reference(layer, q, D**-0.5).float()
     out = cuda_decode.decode_attention(layer, q, D**-0.5).float()
-    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, ref, **TOL)
 
 
 @pytest.mark.gpu
@@ -93,7 +96,7 @@ def test_a_grid_sized_for_the_capacity_spreads_each_sequence_over_all_its_chunks
     ws = {}
     got = cuda_decode.decode_attention(layer, q, D**-0.5, ws, wide, pages_per_program=4)
     ref = decode_attention_reference(layer, q, D**-0.5).float()
-    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), ref, **TOL)
     chunks = -(-wide["max_slots"] // 4)
     first = 1 + _tail_slots(layer.config)
     live = ws["m"][:, :, first:first + chunks].isfinite().all(1)
@@ -119,7 +122,7 @@ def test_dead_programs_are_skipped_whatever_the_workspace_holds():
     again = cuda_decode.decode_attention(layer, q, D**-0.5, ws, pages_per_program=1)
     torch.testing.assert_close(again, first)
     ref = decode_attention_reference(layer, q, D**-0.5).float()
-    torch.testing.assert_close(again.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(again.float(), ref, **TOL)
 
 
 @pytest.mark.gpu

@@ -12,13 +12,20 @@
 // fp16; value plane [D/4 rows, G bytes] (byte (j, t): channels j, j + D/4, j + D/2, j + 3D/4 of
 // token t), value scale / zero [G] fp16. Here G = D = 128, two-bit values.
 //
-// Tensor cores, mma.sync m16n8k16 (fp16 in, fp32 accumulate), with the GQA group's query heads as
-// the narrow operand (n = 8) and page rows as the wide one (m = 16):
-//   keys    S^T [tokens, heads] = K [tokens, channels] Q^T: A = key codes, B = queries x key scales;
-//   values  O^T [channels, heads] += V^T [channels, tokens] P^T: A = value codes, B = weights.
+// Tensor cores, mma.sync with the GQA group's query heads as the narrow operand (n = 8) and page rows
+// as the wide one (m = 16):
+//   keys    S^T [tokens, heads] = K [tokens, channels] Q^T: A = key codes, B = queries x key scales,
+//           m16n8k32 in 8 bits (unsigned codes, signed queries, int32 accumulate);
+//   values  O^T [channels, heads] += V^T [channels, tokens] P^T: A = value codes, B = weights,
+//           m16n8k16 in fp16 with fp32 accumulate.
+// Key dots in 8 bits, as the Triton kernel takes them at this head size: per page and query head,
+// q x key scale is rounded to 127 steps of its largest magnitude (the boosted channels' high codes on
+// a scale of their own), and the rounding error's part at the mean code, the same for every token of
+// the page, goes into the zero term. An 8-bit operand is a code plane masked in place (one LOP3 for
+// four codes), and one MMA takes 32 channels: about a tenth fewer instructions a page than fp16 dots.
 // A score tile's accumulator is an 8x8 matrix pair in the fragment layout; `movmatrix.trans` turns
 // it into the B operand of the value MMA (head = lane / 4), so the weights never leave registers.
-// Codes become operands in registers: a 32-bit word of packed bytes masked in place for plane P
+// Value codes become operands in registers: a 32-bit word of packed bytes masked in place for plane P
 // (one LOP3) is two fp16 subnormals, 2^-24 x 4^P x code (every 16-bit pattern under 0x0400 is
 // exactly 2^-24 times itself); bytes 0 and 2 form one register, bytes 1 and 3 (after a shift) the
 // other. The reduction axis of every MMA is free to be permuted (both operands agree), and the
@@ -28,7 +35,7 @@
 // large offset is added and taken away again (as 1024 + code would need), so the accumulators no
 // longer lose about 8 bits to it.
 // Per-channel key scales fold into the queries, per-token value scales into the weights; the
-// softmax runs in base 2 (the scores' scale carries log2 e, with the softmax scale and 2^24 / 4^P).
+// softmax runs in base 2 (the scores' scale carries log2 e and the softmax scale; the outputs' 2^24 / 4^P).
 //
 // Pipelining: each warp streams its pages through STAGES shared-memory buffers with cp.async
 // (page p + STAGES - 1 is in flight while page p is computed); a page's planes, scales and boost
@@ -90,6 +97,23 @@ __device__ __forceinline__ void mma(float (&c)[4], uint32_t a0, uint32_t a1, uin
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// mma.m16n8k32, unsigned 8-bit A (codes) x signed 8-bit B (rounded queries), int32 accumulate
+__device__ __forceinline__ void mma_u8s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// four floats in [-127.5, 127.5] rounded to nearest (even) signed bytes, packed low to high: x + 1.5 x 2^23
+// leaves the integer in the low mantissa bits (two's complement in its low byte)
+__device__ __forceinline__ uint32_t round_s8x4(float a, float b, float c, float d) {
+  const uint32_t ia = __float_as_uint(a + 12582912.f), ib = __float_as_uint(b + 12582912.f);
+  const uint32_t ic = __float_as_uint(c + 12582912.f), id = __float_as_uint(d + 12582912.f);
+  return __byte_perm(__byte_perm(ia, ib, 0x0040), __byte_perm(ic, id, 0x0040), 0x5410);
 }
 
 __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
@@ -181,12 +205,6 @@ __device__ __forceinline__ void issue_page(uint8_t* st, const PageArgs& a, int k
 // holds four at every boosted-channel count), two at two stages (shared memory's limit)
 template <int STAGES> constexpr int min_blocks() { return STAGES == 1 ? 4 : 2; }
 
-// The queries are kept in shared memory in their own dtype times Q_SHIFT, which is exact (a power of
-// two). The fp16 operands q x key scale (and 4 x that for boosted channels) then have the range they
-// had when the softmax scale (about 0.13 at head size 128) was folded into the queries; 8 x the
-// softmax scale comes back in the scores' factor.
-constexpr float Q_SHIFT = 0.125f;
-
 // a warp's shared memory: the n = 8 tile's query rows (2 bytes each; rows past the group's heads
 // zero) and its stages
 template <int NB, int STAGES>
@@ -233,7 +251,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
   const T* q = reinterpret_cast<const T*>(a.q) + b * a.sQb + (long long)(h * a.rep) * a.sQh;
   for (int i = lane; i < RMAX * D; i += 32) {
     const int r = i / D;
-    qs[i] = from_f<T>(r < a.rep ? to_f<T>(q[r * a.sQh + i % D]) * Q_SHIFT : 0.f);
+    qs[i] = r < a.rep ? q[r * a.sQh + i % D] : from_f<T>(0.f);
   }
   __syncwarp();
 
@@ -257,9 +275,13 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     __syncwarp();
     const uint8_t* st = stages + (i % STAGES) * L::BYTES;
 
-    // ---- the queries of this page: q x key scale (fp16), the zero term (fp32) ----
-    uint32_t kb[8][2];
-    float zq = 0.f;
+    // ---- int8 key dots: the queries x the page's key scales rounded to 8 bits per head (sigma = max / 127) ----
+    // Thread (g, t) holds head g's channels of its 8 code words: word k is channels c0 .. c0 + 3 with
+    // c0 = 64 (k / 4) + 16 t + 4 (k % 4), the same channels its dense-plane words hold. k-tile kk of
+    // mma.m16n8k32 takes words 2 kk (a0, a1; b0) and 2 kk + 1 (a2, a3; b1): A and B agree on the
+    // reduction order, which is all an MMA needs.
+    float xq[8][4];
+    float zq = 0.f, amax = 0.f, xsum = 0.f;
 #pragma unroll
     for (int v = 0; v < 2; ++v) {
       const int c = 64 * v + 16 * t;
@@ -277,41 +299,69 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
         const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&ksw[2 * w + 1]));
         const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&kzw[2 * w]));
         const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&kzw[2 * w + 1]));
-        // channels c0 .. c0 + 3 of k-tile 4v + w: k = 2t, 2t + 1 are c0, c0 + 2; 2t + 8, 2t + 9 are c0 + 1, c0 + 3
-        kb[4 * v + w][0] = pack_half2(qv.x * s01.x, qv.z * s23.x);
-        kb[4 * v + w][1] = pack_half2(qv.y * s01.y, qv.w * s23.y);
+        float* x = xq[4 * v + w];
+        x[0] = qv.x * s01.x; x[1] = qv.y * s01.y; x[2] = qv.z * s23.x; x[3] = qv.w * s23.y;
+        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3]))));
+        xsum += (x[0] + x[1]) + (x[2] + x[3]);
         zq += qv.x * z01.x + qv.y * z01.y + qv.z * z23.x + qv.w * z23.y;
       }
     }
-    constexpr int NBW = NB / 16;  // high-plane k-tiles (a thread's words per row)
-    uint32_t hb[NBW > 0 ? NBW : 1][2];
+    amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, 2));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;  // rows past the group's heads are zero
+    uint32_t kb8[8];
+    int rsum = 0;  // the thread's rounded queries, summed: with xsum, the rounding's error at the codes' mean
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      kb8[k] = round_s8x4(xq[k][0] * inv, xq[k][1] * inv, xq[k][2] * inv, xq[k][3] * inv);
+      rsum = __dp4a(int(kb8[k]), 0x01010101, rsum);
+    }
+    // a score's rounding error is sum_d e_d c_d; its part at the mean code 1.5 is the same for every token
+    zq -= 1.5f * (float(rsum) * (amax * (1.f / 127.f)) - xsum);
+    constexpr int NBW = NB / 16;  // a thread's words of the high plane a row (NB / 4 bytes)
+    uint32_t hb8[NBW > 0 ? NBW : 1];
+    float bamax = 0.f;
     if constexpr (NB > 0) {
+      // the boosted channels' high codes, on a scale of their own: a boosted channel's key scale is
+      // about a fifth of a 2-bit one's, so on the dense scale its queries would keep few levels
+      float xb[NBW][4], bsum = 0.f;
 #pragma unroll
       for (int w = 0; w < NBW; ++w) {
-        const int r0 = t * (NB / 4) + 4 * w;
-        const uint32_t chs = *reinterpret_cast<const uint32_t*>(st + L::KC + r0);
-        float qb[4];
+        const uint32_t chs = *reinterpret_cast<const uint32_t*>(st + L::KC + t * (NB / 4) + 4 * w);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int ch = (chs >> (8 * j)) & 0xff;
           const float sc = __half2float(*reinterpret_cast<const half*>(st + L::KS + 2 * ch));
-          // x 4 after the fp16 rounding, as 4 x the fp16 q x scale of the same channel: exact
-          qb[j] = 4.f * __half2float(__float2half_rn(to_f<T>(qs[g * D + ch]) * sc));
+          xb[w][j] = to_f<T>(qs[g * D + ch]) * sc;
+          bamax = fmaxf(bamax, fabsf(xb[w][j]));
+          bsum += xb[w][j];
         }
-        hb[w][0] = pack_half2(qb[0], qb[2]);
-        hb[w][1] = pack_half2(qb[1], qb[3]);
       }
+      bamax = fmaxf(bamax, __shfl_xor_sync(~0u, bamax, 1));
+      bamax = fmaxf(bamax, __shfl_xor_sync(~0u, bamax, 2));
+      const float binv = bamax > 0.f ? 127.f / bamax : 0.f;
+      int brsum = 0;
+#pragma unroll
+      for (int w = 0; w < NBW; ++w) {
+        hb8[w] = round_s8x4(xb[w][0] * binv, xb[w][1] * binv, xb[w][2] * binv, xb[w][3] * binv);
+        brsum = __dp4a(int(hb8[w]), 0x01010101, brsum);
+      }
+      zq -= 6.f * (float(brsum) * (bamax * (1.f / 127.f)) - bsum);  // high codes weigh 4, mean 1.5
     }
     zq += __shfl_xor_sync(~0u, zq, 1);
     zq += __shfl_xor_sync(~0u, zq, 2);
-    zq *= a.scaling / Q_SHIFT;
+    zq *= a.scaling;
     const float zero0 = __shfl_sync(~0u, zq, 8 * t), zero1 = __shfl_sync(~0u, zq, 8 * t + 4);
+    const float sig = amax * (1.f / 127.f) * a.scaling;
+    const float sig0 = __shfl_sync(~0u, sig, 8 * t), sig1 = __shfl_sync(~0u, sig, 8 * t + 4);
+    const float bsig = bamax * (4.f / 127.f) * a.scaling;  // x 4: the high codes' weight
+    const float bsig0 = __shfl_sync(~0u, bsig, 8 * t), bsig1 = __shfl_sync(~0u, bsig, 8 * t + 4);
 
-    // ---- scores: 8 tiles (token quarter P, half jh) of 16 tokens x 8 heads ----
+    // ---- scores: 8 tiles (token quarter P, half jh) of 16 tokens x 8 heads, int32 then scaled ----
     float s[4][2][4];
 #pragma unroll
     for (int jh = 0; jh < 2; ++jh) {
-      uint32_t wd[2][8], wds[2][8];
+      uint32_t wd[2][8];
 #pragma unroll
       for (int ss = 0; ss < 2; ++ss) {
         const int r = key_row(g, jh, ss);
@@ -319,38 +369,45 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
         const uint4 x1 = *reinterpret_cast<const uint4*>(st + L::KD + kd_off(r, 4 + t));
         wd[ss][0] = x0.x; wd[ss][1] = x0.y; wd[ss][2] = x0.z; wd[ss][3] = x0.w;
         wd[ss][4] = x1.x; wd[ss][5] = x1.y; wd[ss][6] = x1.z; wd[ss][7] = x1.w;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) wds[ss][k] = wd[ss][k] >> 8;
       }
-      uint32_t hw[2][NBW > 0 ? NBW : 1], hws[2][NBW > 0 ? NBW : 1];
+      uint32_t hw[2][NBW > 0 ? NBW : 1];
       if constexpr (NB > 0) {
 #pragma unroll
         for (int ss = 0; ss < 2; ++ss) {
           const int r = key_row(g, jh, ss);
 #pragma unroll
-          for (int w = 0; w < NBW; ++w) {
+          for (int w = 0; w < NBW; ++w)
             hw[ss][w] = *reinterpret_cast<const uint32_t*>(st + L::KH + r * NB + t * (NB / 4) + 4 * w);
-            hws[ss][w] = hw[ss][w] >> 8;
-          }
         }
       }
 #pragma unroll
       for (int P = 0; P < 4; ++P) {
-        float* c = s[P][jh];
-        c[0] = 0.f; c[1] = 0.f; c[2] = 0.f; c[3] = 0.f;
+        const uint32_t m8 = 0x03030303u << (2 * P);  // plane P of four bytes: code x 4^P, unsigned 8-bit
+        int acc8[4] = {0, 0, 0, 0};
 #pragma unroll
-        for (int k = 0; k < 8; ++k)
-          mma(s[P][jh], plane_rt(wd[0][k], P), plane_rt(wd[1][k], P), plane_rt(wds[0][k], P),
-              plane_rt(wds[1][k], P), kb[k][0], kb[k][1]);
+        for (int kk = 0; kk < 4; ++kk)
+          mma_u8s8(acc8, wd[0][2 * kk] & m8, wd[1][2 * kk] & m8, wd[0][2 * kk + 1] & m8, wd[1][2 * kk + 1] & m8,
+                   kb8[2 * kk], kb8[2 * kk + 1]);
+        int hacc[4] = {0, 0, 0, 0};
         if constexpr (NB > 0) {
 #pragma unroll
-          for (int w = 0; w < NBW; ++w)
-            mma(s[P][jh], plane_rt(hw[0][w], P), plane_rt(hw[1][w], P), plane_rt(hws[0][w], P),
-                plane_rt(hws[1][w], P), hb[w][0], hb[w][1]);
+          for (int kk = 0; kk < (NBW + 1) / 2; ++kk) {
+            const uint32_t a0 = hw[0][2 * kk] & m8, a1 = hw[1][2 * kk] & m8;
+            const uint32_t a2 = 2 * kk + 1 < NBW ? hw[0][2 * kk + 1] & m8 : 0u;
+            const uint32_t a3 = 2 * kk + 1 < NBW ? hw[1][2 * kk + 1] & m8 : 0u;
+            const uint32_t b1 = 2 * kk + 1 < NBW ? hb8[2 * kk + 1] : 0u;
+            mma_u8s8(hacc, a0, a1, a2, a3, hb8[2 * kk], b1);
+          }
         }
-        const float f = plane_scale(P) * (a.scaling / Q_SHIFT);
-        c[0] = c[0] * f + zero0; c[1] = c[1] * f + zero1;
-        c[2] = c[2] * f + zero0; c[3] = c[3] * f + zero1;
+        const float f0 = sig0 / float(1 << (2 * P)), f1 = sig1 / float(1 << (2 * P));
+        float* c = s[P][jh];
+        c[0] = float(acc8[0]) * f0 + zero0; c[1] = float(acc8[1]) * f1 + zero1;
+        c[2] = float(acc8[2]) * f0 + zero0; c[3] = float(acc8[3]) * f1 + zero1;
+        if constexpr (NB > 0) {
+          const float b0 = bsig0 / float(1 << (2 * P)), b1 = bsig1 / float(1 << (2 * P));
+          c[0] += float(hacc[0]) * b0; c[1] += float(hacc[1]) * b1;
+          c[2] += float(hacc[2]) * b0; c[3] += float(hacc[3]) * b1;
+        }
       }
     }
 
