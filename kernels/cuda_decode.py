@@ -75,7 +75,7 @@ def unsupported(head_dim: int, group_size: int, n_boost: int, value_bits: int, r
     if device.type != "cuda" or not torch.cuda.is_available():
         return "no CUDA device"
     if torch.cuda.get_device_capability(device) < (8, 0):
-        return f"compute capability {torch.cuda.get_device_capability(device)} < 8.0 (no cp.async / mma m16n8k16)"
+        return f"compute capability {torch.cuda.get_device_capability(device)} < 8.0 (no cp.async / mma m16n8k16, m16n8k32)"
     if (head_dim, group_size) != (HEAD_DIM, GROUP):
         return f"built for head and page size {HEAD_DIM}, got head size {head_dim}, page size {group_size}"
     if value_bits != 2:

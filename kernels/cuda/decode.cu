@@ -22,9 +22,9 @@
 // q x key scale is rounded to 127 steps of its largest magnitude (the boosted channels' high codes on
 // a scale of their own), and the rounding error's part at the mean code, the same for every token of
 // the page, goes into the zero term. An 8-bit operand is a code plane masked in place (one LOP3 for
-// four codes), and one MMA takes 32 channels. The rounding costs what the operands save (Nsight
-// Compute counts as many instructions as with fp16 dots), but the dependency chains are shorter: on
-// one H200 the fused step took 0-12% less time at the five shapes of `docs/engine.md`.
+// four codes), and one MMA takes 32 channels. The rounding costs as much as the operands save (Nsight
+// Compute counts 0.5-3.4% more instructions than with fp16 dots), but the dependency chains are
+// shorter: on one H200 the fused step took 0.2-12% less time at the five shapes of `docs/engine.md`.
 // A score tile's accumulator is an 8x8 matrix pair in the fragment layout; `movmatrix.trans` turns
 // it into the B operand of the value MMA (head = lane / 4), so the weights never leave registers.
 // Value codes become operands in registers: a 32-bit word of packed bytes masked in place for plane P
