@@ -7,6 +7,7 @@ of them: registers, spills, shared memory and the SASS instruction mix of each k
         --pages-per-program 32                             # a deep grid's settings (batch 489)
     python -m kitty_core.compile --warps 4 --max-registers 0
     python -m kitty_core.compile --new-token --unpack ptx  # the tail as graph-replayed steps launch it
+    python -m kitty_core.compile --cuda --parts            # the CUDA page kernel (needs nvcc): kitty_core.compile_cuda
     kitty-compile ...                                      # the same, installed
 
 Triton's wheel ships ptxas and cuobjdump, so this needs neither a GPU nor a CUDA install. It shows
@@ -76,6 +77,16 @@ def _loop_body(sass: str) -> tuple[int, int] | None:
     return best
 
 
+def family_mix(ops: Counter, prefix: str = "") -> dict:
+    """Opcode counts summed by family (`FAMILIES`; the rest as "other"), keys prefixed."""
+    family_of = {op: fam for fam, members in FAMILIES.items() for op in members}
+    row = {f"{prefix}instructions": sum(ops.values())}
+    for fam in FAMILIES:
+        row[prefix + fam] = sum(n for op, n in ops.items() if family_of.get(op) == fam)
+    row[prefix + "other"] = row[f"{prefix}instructions"] - sum(row[prefix + f] for f in FAMILIES)
+    return row
+
+
 def inspect(compiled) -> dict:
     """Registers, spills, shared memory, SASS opcode counts of a compiled kernel, and the same counts
     for its longest loop's body (per page, for the page kernel: `loop_*`)."""
@@ -89,21 +100,12 @@ def inspect(compiled) -> dict:
     reg = re.search(r"REG:(\d+)", usage)
     lines = [(int(m.group(1), 16), m.group(3)) for m in _SASS_LINE.finditer(sass)]
     loop = _loop_body(sass)
-    family_of = {op: fam for fam, members in FAMILIES.items() for op in members}
-
-    def mix(ops: Counter, prefix: str = "") -> dict:
-        row = {f"{prefix}instructions": sum(ops.values())}
-        for fam in FAMILIES:
-            row[prefix + fam] = sum(n for op, n in ops.items() if family_of.get(op) == fam)
-        row[prefix + "other"] = row[f"{prefix}instructions"] - sum(row[prefix + f] for f in FAMILIES)
-        return row
-
     ops = Counter(op.split(".")[0] for _, op in lines)
     row = {"registers": int(reg.group(1)) if reg else None, "spill_ops": ops["STL"] + ops["LDL"],
-           "shared_bytes": compiled.metadata.shared, **mix(ops)}
+           "shared_bytes": compiled.metadata.shared, **family_mix(ops)}
     if loop:
         loop_ops = Counter(op.split(".")[0] for at, op in lines if loop[0] <= at <= loop[1])
-        row.update(mix(loop_ops, "loop_"), loop_spill_ops=loop_ops["STL"] + loop_ops["LDL"])
+        row.update(family_mix(loop_ops, "loop_"), loop_spill_ops=loop_ops["STL"] + loop_ops["LDL"])
     row["sass"] = sass
     return row
 
@@ -179,6 +181,14 @@ def arguments():
     p.add_argument("--pages-per-program", type=int, default=8)
     p.add_argument("--new-token", action="store_true", help="the tail kernel as a graph-replayed step launches it "
                    "(it writes the step's token)")
+    c = p.add_argument_group("the CUDA page kernel (kernels/cuda/decode.cu, compiled by nvcc: kitty_core.compile_cuda)")
+    c.add_argument("--cuda", action="store_true", help="report the CUDA page kernel instead of the Triton kernels")
+    c.add_argument("--boosted", default="0,16,32,64", help="boosted channel counts, one build each")
+    c.add_argument("--cuda-stages", default="1,2", help="cp.async stages, one build each")
+    c.add_argument("--cuda-source", default=None, help="a variant of decode.cu to compile instead")
+    c.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="the queries' dtype")
+    c.add_argument("--cuda-arch", default="sm_90a")
+    c.add_argument("--parts", action="store_true", help="the page loop's instructions by part of the kernel")
     p.add_argument("--columns", default="kernel,unpack,key_dots,warps,registers,spill_ops,loop_spill_ops,shared_bytes,instructions,"
                    "loop_instructions,warp_instructions_per_page,"
                    "loop_tensor core,loop_integer/bit,loop_shared,loop_float,loop_shuffle,loop_other")
@@ -188,6 +198,8 @@ def arguments():
 def main(argv=None) -> int:
     p = arguments()
     a = p.parse_args(argv)  # before torch and Triton load
+    if a.cuda:
+        return cuda_main(a, p)
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("unset TRITON_INTERPRET: the interpreter does not compile")
     launch = {} if a.max_registers is None else {"max_registers": a.max_registers or None}
@@ -200,6 +212,32 @@ def main(argv=None) -> int:
     df = report(a.method, a.unpack.split(","), a.q_heads, a.kv_heads, a.head_dim, a.arch, key_dots=key_dots,
                 new_token=a.new_token, **launch)
     print(df[[c for c in a.columns.split(",") if c in df]].to_string(index=False))
+    return 0
+
+
+def cuda_main(a, p) -> int:
+    from .compile_cuda import cuda_report, parts_table
+
+    def counts(text: str, what: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in text.split(","))
+        except ValueError:
+            p.error(f"{what}: a comma-separated list of integers, got {text!r}")
+
+    source = Path(a.cuda_source) if a.cuda_source else None
+    if source is not None and not source.is_file():
+        p.error(f"--cuda-source: no file {source}")
+    try:
+        df = cuda_report(counts(a.boosted, "--boosted"), counts(a.cuda_stages, "--cuda-stages"), source, a.dtype,
+                         a.cuda_arch)
+    except RuntimeError as e:
+        p.exit(2, f"kitty_core.compile: {e}\n")
+    cols = ["boosted", "stages", "registers", "spill_ops", "loop_spill_ops", "loop_instructions", "loop_tensor core",
+            "loop_integer/bit", "loop_float", "loop_conversion", "loop_shared", "loop_shuffle", "loop_exp", "loop_other"]
+    print(df[cols].to_string(index=False))
+    if a.parts:
+        print("\nthe page loop's instructions (one page slot) by part of the kernel:")
+        print(parts_table(df).to_string())
     return 0
 
 

@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     __syncwarp();
     const uint8_t* st = stages + (i % STAGES) * L::BYTES;
 
-    // ---- int8 key dots: the queries x the page's key scales rounded to 8 bits per head (sigma = max / 127) ----
+    // ---- the queries for int8 key dots: x the page's key scales, rounded to 8 bits per head (sigma = max / 127) ----
     // Thread (g, t) holds head g's channels of its 8 code words: word k is channels c0 .. c0 + 3 with
     // c0 = 64 (k / 4) + 16 t + 4 (k % 4), the same channels its dense-plane words hold. k-tile kk of
     // mma.m16n8k32 takes words 2 kk (a0, a1; b0) and 2 kk + 1 (a2, a3; b1): A and B agree on the

@@ -1,0 +1,172 @@
+"""The CUDA page kernel (`kernels/cuda/decode.cu`) compiled by nvcc on any machine, GPU or not, and
+read as machine code: registers, spills and the SASS of one trip of its page loop (one page slot of
+one sequence and KV head), in all and by part of the kernel (the `// ---- part: ...` sections of its
+source), each instruction counted where it was written, not where a helper it calls was defined.
+
+    python -m kitty_core.compile --cuda                         # 0/16/32/64 boosted channels, 1 and 2 stages
+    python -m kitty_core.compile --cuda --boosted 32 --cuda-stages 1 --parts
+    python -m kitty_core.compile --cuda --cuda-source my_variant.cu --parts   # price a change before timing it
+
+It needs nvcc (the CUDA toolkit); the disassembler comes with Triton's wheel. The count is static,
+the instructions of the loop's body, which a warp issues once a page (the few branches inside it,
+the last pages' copies, are taken on almost every trip). Nsight Compute's count per page on a GPU
+(`docs/engine.md`) is within a few percent of it; the time itself is measured on a GPU
+(`python -m kitty_core.bench kernels --cuda`).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import pandas as pd
+
+from .compile import _SASS_LINE, _loop_body, _tools, family_mix
+
+SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cuda" / "decode.cu"
+# the flags torch's extension build passes nvcc (`torch.utils.cpp_extension.COMMON_NVCC_FLAGS`) and
+# `kernels.cuda_decode` adds
+NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+              "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
+DTYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}
+_PART = re.compile(r"^\s*// ---- ([^:(]+?)\s*(?::|\(|----)")
+_LOCATION = re.compile(r'//## File "([^"]+)", line (\d+)(?: inlined at "([^"]+)", line (\d+))?')
+
+
+def nvcc() -> str:
+    """The nvcc to compile with, or an error that says what to install."""
+    found = shutil.which("nvcc")
+    if found is None:
+        raise RuntimeError("nvcc not found: install the CUDA toolkit (or put its bin/ on PATH) to compile the "
+                           "CUDA page kernel; the Triton kernels compile without it (drop --cuda)")
+    return found
+
+
+def build_cubin(source: Path, n_boost: int, stages: int, arch: str = "sm_90a") -> bytes:
+    """`source` compiled as `kernels.cuda_decode` builds it for `n_boost` boosted channels and `stages`
+    cp.async stages, with line information (which does not change the code)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "pages.cubin"
+        out = subprocess.run([nvcc(), f"-arch={arch}", "-cubin", "-lineinfo", *NVCC_FLAGS, f"-DKITTY_NB={n_boost}",
+                              f"-DKITTY_STAGES={stages}", "-o", str(cubin), str(source)],
+                             check=False, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"nvcc failed on {source}:\n{out.stderr[-3000:]}")
+        return cubin.read_bytes()
+
+
+def _function(listing: str, dtype: str) -> str:
+    """The part of a listing (cuobjdump -sass or nvdisasm) that holds pages_kernel<dtype, ...>."""
+    name = DTYPES[dtype]
+    parts = re.split(r"(?=Function : |//-+ \.text\.)", listing)
+    found = [p for p in parts if "pages_kernel" in p.split("\n", 1)[0] and name in p.split("\n", 1)[0]]
+    if not found:
+        raise ValueError(f"no pages_kernel<{name}, ...> in the listing")
+    return found[0]
+
+
+def part_lines(source_text: str) -> dict[int, str]:
+    """Source line -> the part of pages_kernel it belongs to: the `// ---- name: ...` sections inside
+    the kernel, and "page copies" for the loop's lines before its first section (the next page's
+    copy, the wait for this one)."""
+    lines = source_text.split("\n")
+    start = next(i for i, text in enumerate(lines) if "pages_kernel(" in text and "__global__" in text)
+    part, parts = "page copies", {}
+    for i in range(start, len(lines)):
+        m = _PART.match(lines[i])
+        if m:
+            part = m.group(1)
+        parts[i + 1] = part
+        if lines[i].startswith("}"):
+            break
+    return parts
+
+
+def located(disassembly: str, source: str) -> list[tuple[int, str, int | None]]:
+    """(address, opcode, line of `source` where it was written) of each instruction of an `nvdisasm -gi`
+    listing: the outermost call site in `source` of the inlined helpers the instruction came from."""
+    rows, block, line = [], [], None
+    for text in disassembly.split("\n"):
+        if "//##" in text:
+            block.append(text)
+            continue
+        m = _SASS_LINE.search(text)
+        if not m:
+            continue
+        if block:  # a new location: the outermost frame in `source` of the chain, innermost first
+            line = None
+            for loc in _LOCATION.finditer("\n".join(block)):
+                for file, at in ((loc.group(1), loc.group(2)), (loc.group(3), loc.group(4))):
+                    if file and Path(file).name == Path(source).name:
+                        line = int(at)
+            block = []
+        rows.append((int(m.group(1), 16), m.group(3).split(".")[0], line))
+    return rows
+
+
+def inspect_cuda(cubin: bytes, source: Path, dtype: str = "bf16") -> dict:
+    """Registers, spills and the page loop's SASS (per page: `loop_*`, and `part:<name>` by part) of
+    the CUDA page kernel for one dtype of the queries."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "pages.cubin"
+        path.write_bytes(cubin)
+        usage = subprocess.run([_tools() / "cuobjdump", "--dump-resource-usage", path], capture_output=True,
+                               text=True, check=True).stdout
+        listing = subprocess.run([_tools() / "nvdisasm", "-gi", "-c", path], capture_output=True, text=True,
+                                 check=True).stdout
+    fn = _function(listing, dtype)
+    name = DTYPES[dtype]
+    reg = re.search(rf"Function [^\n]*{name}[^\n]*:\s*\n\s*REG:(\d+)", usage)
+    rows = located(fn, str(source))
+    resolved = _resolve_labels(fn)
+    loop = _loop_body(resolved)
+    if loop is None:
+        raise ValueError("no page loop (a conditional branch back) in pages_kernel")
+    body = [(op, line) for at, op, line in rows if loop[0] <= at <= loop[1]]
+    ops = Counter(op for _, op, _ in rows)
+    loop_ops = Counter(op for op, _ in body)
+    parts = part_lines(source.read_text())
+    by_part = Counter(parts.get(line, "elsewhere") if line else "elsewhere" for _, line in body)
+    return {"registers": int(reg.group(1)) if reg else None, "spill_ops": ops["STL"] + ops["LDL"],
+            "loop_spill_ops": loop_ops["STL"] + loop_ops["LDL"], **family_mix(ops), **family_mix(loop_ops, "loop_"),
+            **{f"part:{p}": n for p, n in by_part.items()}}
+
+
+def _resolve_labels(listing: str) -> str:
+    """nvdisasm names branch targets `(.L_x_N)`; write them as the addresses cuobjdump would."""
+    labels, pending = {}, []
+    for text in listing.split("\n"):
+        label = re.match(r"^\s*(\.L_x_\d+):", text)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = _SASS_LINE.search(text)
+        if m and pending:
+            labels.update(dict.fromkeys(pending, m.group(1)))
+            pending = []
+    return re.sub(r"`\((\.L_x_\d+)\)", lambda m: "0x" + labels.get(m.group(1), "0"), listing)
+
+
+def cuda_report(boosted=(0, 16, 32, 64), stages=(1, 2), source: Path | None = None, dtype: str = "bf16",
+                arch: str = "sm_90a") -> pd.DataFrame:
+    """Per boosted-channel count and stage count: `inspect_cuda` of the CUDA page kernel's build."""
+    source = Path(source or SOURCE)
+    rows = []
+    for nb in boosted:
+        for st in stages:
+            info = inspect_cuda(build_cubin(source, nb, st, arch), source, dtype)
+            rows.append({"kernel": "pages_kernel (CUDA)", "boosted": nb, "stages": st, "dtype": dtype, **info})
+    return pd.DataFrame(rows).fillna(0)
+
+
+def parts_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The page loop's instructions by part (rows) for each build (columns), in source order."""
+    cols = [c for c in df.columns if c.startswith("part:")]
+    table = df.set_index(["boosted", "stages"])[cols].T.astype(int)
+    table.index = [c.removeprefix("part:") for c in cols]
+    table.loc["whole loop"] = df.set_index(["boosted", "stages"])["loop_instructions"].astype(int)
+    return table
