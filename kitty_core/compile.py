@@ -224,12 +224,18 @@ def cuda_main(a, p) -> int:
         except ValueError:
             p.error(f"{what}: a comma-separated list of integers, got {text!r}")
 
+    from kernels.cuda_decode import BOOSTED
+
+    boosted, stages = counts(a.boosted, "--boosted"), counts(a.cuda_stages, "--cuda-stages")
+    if not set(boosted) <= set(BOOSTED):
+        p.error(f"--boosted: the kernel is built for {', '.join(map(str, BOOSTED))} boosted channels, got {a.boosted}")
+    if not set(stages) <= {1, 2}:
+        p.error(f"--cuda-stages: the kernel is built for 1 or 2 cp.async stages, got {a.cuda_stages}")
     source = Path(a.cuda_source) if a.cuda_source else None
     if source is not None and not source.is_file():
         p.error(f"--cuda-source: no file {source}")
     try:
-        df = cuda_report(counts(a.boosted, "--boosted"), counts(a.cuda_stages, "--cuda-stages"), source, a.dtype,
-                         a.cuda_arch)
+        df = cuda_report(boosted, stages, source, a.dtype, a.cuda_arch)
     except RuntimeError as e:
         p.exit(2, f"kitty_core.compile: {e}\n")
     cols = ["boosted", "stages", "registers", "spill_ops", "loop_spill_ops", "loop_instructions", "loop_tensor core",

@@ -65,7 +65,7 @@ def _function(listing: str, dtype: str) -> str:
     parts = re.split(r"(?=Function : |//-+ \.text\.)", listing)
     found = [p for p in parts if "pages_kernel" in p.split("\n", 1)[0] and name in p.split("\n", 1)[0]]
     if not found:
-        raise ValueError(f"no pages_kernel<{name}, ...> in the listing")
+        raise RuntimeError(f"no pages_kernel<{name}, ...> in the compiled code: is it a variant of decode.cu?")
     return found[0]
 
 
@@ -74,7 +74,9 @@ def part_lines(source_text: str) -> dict[int, str]:
     the kernel, and "page copies" for the loop's lines before its first section (the next page's
     copy, the wait for this one)."""
     lines = source_text.split("\n")
-    start = next(i for i, text in enumerate(lines) if "pages_kernel(" in text and "__global__" in text)
+    start = next((i for i, text in enumerate(lines) if "pages_kernel(" in text and "__global__" in text), None)
+    if start is None:
+        raise RuntimeError("no `__global__ ... pages_kernel(` in the source")
     part, parts = "page copies", {}
     for i in range(start, len(lines)):
         m = _PART.match(lines[i])
@@ -125,7 +127,7 @@ def inspect_cuda(cubin: bytes, source: Path, dtype: str = "bf16") -> dict:
     resolved = _resolve_labels(fn)
     loop = _loop_body(resolved)
     if loop is None:
-        raise ValueError("no page loop (a conditional branch back) in pages_kernel")
+        raise RuntimeError("no page loop (a conditional branch back) in pages_kernel")
     body = [(op, line) for at, op, line in rows if loop[0] <= at <= loop[1]]
     ops = Counter(op for _, op, _ in rows)
     loop_ops = Counter(op for op, _ in body)
