@@ -56,3 +56,16 @@ def test_the_page_loop_holds_the_kernels_mmas_and_every_instruction_has_a_part()
     named = [p for p in part_lines(SOURCE.read_text()).values()]
     assert list(table.index[:-1]) == list(dict.fromkeys(p for p in named if p in table.index))
     assert (df["registers"] <= 128).all()  # one stage: four blocks an SM
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--boosted", "7"], "built for 0, 16, 32, 64 boosted channels"),
+    (["--cuda-stages", "3"], "1 or 2 cp.async stages"),
+    (["--cuda-source", "/no/such/decode.cu"], "no file /no/such/decode.cu"),
+])
+def test_a_build_the_kernel_does_not_have_is_a_one_line_error(args, said, capsys):
+    from kitty_core.compile import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--cuda", *args])
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
