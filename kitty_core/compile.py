@@ -216,6 +216,8 @@ def main(argv=None) -> int:
 
 
 def cuda_main(a, p) -> int:
+    from kernels.cuda_decode import BOOSTED
+
     from .compile_cuda import cuda_report, parts_table
 
     def counts(text: str, what: str) -> tuple[int, ...]:
@@ -223,8 +225,6 @@ def cuda_main(a, p) -> int:
             return tuple(int(x) for x in text.split(","))
         except ValueError:
             p.error(f"{what}: a comma-separated list of integers, got {text!r}")
-
-    from kernels.cuda_decode import BOOSTED
 
     boosted, stages = counts(a.boosted, "--boosted"), counts(a.cuda_stages, "--cuda-stages")
     if not set(boosted) <= set(BOOSTED):

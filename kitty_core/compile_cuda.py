@@ -24,14 +24,14 @@ from collections import Counter
 from pathlib import Path
 
 import pandas as pd
+from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+
+from kernels.cuda_decode import SOURCE
 
 from .compile import _SASS_LINE, _loop_body, _tools, family_mix
 
-SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cuda" / "decode.cu"
-# the flags torch's extension build passes nvcc (`torch.utils.cpp_extension.COMMON_NVCC_FLAGS`) and
-# `kernels.cuda_decode` adds
-NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
-              "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
+# the flags `kernels.cuda_decode` adds to those torch's extension build passes nvcc
+NVCC_FLAGS = ["-O3", *COMMON_NVCC_FLAGS]
 DTYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}
 _PART = re.compile(r"^\s*// ---- ([^:(]+?)\s*(?::|\(|----)")
 _LOCATION = re.compile(r'//## File "([^"]+)", line (\d+)(?: inlined at "([^"]+)", line (\d+))?')
