@@ -162,11 +162,13 @@ def cuda_report(boosted=(0, 16, 32, 64), stages=(1, 2), source: Path | None = No
         for st in stages:
             info = inspect_cuda(build_cubin(source, nb, st, arch), source, dtype)
             rows.append({"kernel": "pages_kernel (CUDA)", "boosted": nb, "stages": st, "dtype": dtype, **info})
-    return pd.DataFrame(rows).fillna(0)
+    df = pd.DataFrame(rows).fillna(0)
+    order = [f"part:{p}" for p in dict.fromkeys([*part_lines(source.read_text()).values(), "elsewhere"])]
+    return df[[c for c in df.columns if not c.startswith("part:")] + [c for c in order if c in df.columns]]
 
 
 def parts_table(df: pd.DataFrame) -> pd.DataFrame:
-    """The page loop's instructions by part (rows) for each build (columns), in source order."""
+    """The page loop's instructions by part (rows, in source order) for each build (columns)."""
     cols = [c for c in df.columns if c.startswith("part:")]
     table = df.set_index(["boosted", "stages"])[cols].T.astype(int)
     table.index = [c.removeprefix("part:") for c in cols]
