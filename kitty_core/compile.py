@@ -25,25 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 from .cli import parser
-
-# SASS opcode families (the opcode before the first dot)
-FAMILIES = {
-    "tensor core": {"HMMA", "HGMMA", "IMMA", "IGMMA"},
-    "global load": {"LDG"},
-    "shared": {"LDS", "STS", "LDSM", "STSM"},
-    "integer/bit": {"LOP3", "SHF", "PRMT", "IADD3", "IMAD", "LEA", "SGXT", "BMSK", "ISETP", "SEL", "IMNMX", "VIMNMX"},
-    "conversion": {"F2F", "I2F", "F2I", "I2FP", "F2FP", "I2I"},
-    "float": {"FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "HADD2", "HFMA2", "HMUL2", "FMNMX3"},
-    "exp": {"MUFU"},
-    "shuffle": {"SHFL"},
-}
-
-
-def _tools() -> Path:
-    import triton
-
-    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-
+from .sass import SASS_LINE, family_mix, loop_body, tools
 
 def compile_launch(kernel, args, options: dict, arch: int = 90):
     """One launch (`decode.decode_launches`) compiled for sm_`arch`, specialized exactly as a launch
@@ -62,44 +44,19 @@ def compile_launch(kernel, args, options: dict, arch: int = 90):
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=opts.__dict__)
 
 
-_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);")
-
-
-def _loop_body(sass: str) -> tuple[int, int] | None:
-    """Address range of the longest loop (a conditional branch back to a lower address)."""
-    best = None
-    for m in _SASS_LINE.finditer(sass):
-        target = re.search(r"0x([0-9a-f]+)", m.group(4))
-        if m.group(3) == "BRA" and m.group(2) and target:
-            at, to = int(m.group(1), 16), int(target.group(1), 16)
-            if to < at and (best is None or at - to > best[1] - best[0]):
-                best = (to, at)
-    return best
-
-
-def family_mix(ops: Counter, prefix: str = "") -> dict:
-    """Opcode counts summed by family (`FAMILIES`; the rest as "other"), keys prefixed."""
-    family_of = {op: fam for fam, members in FAMILIES.items() for op in members}
-    row = {f"{prefix}instructions": sum(ops.values())}
-    for fam in FAMILIES:
-        row[prefix + fam] = sum(n for op, n in ops.items() if family_of.get(op) == fam)
-    row[prefix + "other"] = row[f"{prefix}instructions"] - sum(row[prefix + f] for f in FAMILIES)
-    return row
-
-
 def inspect(compiled) -> dict:
     """Registers, spills, shared memory, SASS opcode counts of a compiled kernel, and the same counts
     for its longest loop's body (per page, for the page kernel: `loop_*`)."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([_tools() / "cuobjdump", "--dump-resource-usage", cubin], capture_output=True,
+        usage = subprocess.run([tools() / "cuobjdump", "--dump-resource-usage", cubin], capture_output=True,
                                text=True, check=True).stdout
-        sass = subprocess.run([_tools() / "cuobjdump", "-sass", cubin], capture_output=True, text=True,
+        sass = subprocess.run([tools() / "cuobjdump", "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
     reg = re.search(r"REG:(\d+)", usage)
-    lines = [(int(m.group(1), 16), m.group(3)) for m in _SASS_LINE.finditer(sass)]
-    loop = _loop_body(sass)
+    lines = [(int(m.group(1), 16), m.group(3)) for m in SASS_LINE.finditer(sass)]
+    loop = loop_body(sass)
     ops = Counter(op.split(".")[0] for _, op in lines)
     row = {"registers": int(reg.group(1)) if reg else None, "spill_ops": ops["STL"] + ops["LDL"],
            "shared_bytes": compiled.metadata.shared, **family_mix(ops)}

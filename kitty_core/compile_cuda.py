@@ -28,7 +28,7 @@ from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
 from kernels.cuda_decode import SOURCE
 
-from .compile import _SASS_LINE, _loop_body, _tools, family_mix
+from .sass import SASS_LINE, family_mix, loop_body, tools
 
 # the flags `kernels.cuda_decode` adds to those torch's extension build passes nvcc
 NVCC_FLAGS = ["-O3", *COMMON_NVCC_FLAGS]
@@ -96,7 +96,7 @@ def located(disassembly: str, source: str) -> list[tuple[int, str, int | None]]:
         if "//##" in text:
             block.append(text)
             continue
-        m = _SASS_LINE.search(text)
+        m = SASS_LINE.search(text)
         if not m:
             continue
         if block:  # a new location: the outermost frame in `source` of the chain, innermost first
@@ -116,16 +116,16 @@ def inspect_cuda(cubin: bytes, source: Path, dtype: str = "bf16") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "pages.cubin"
         path.write_bytes(cubin)
-        usage = subprocess.run([_tools() / "cuobjdump", "--dump-resource-usage", path], capture_output=True,
+        usage = subprocess.run([tools() / "cuobjdump", "--dump-resource-usage", path], capture_output=True,
                                text=True, check=True).stdout
-        listing = subprocess.run([_tools() / "nvdisasm", "-gi", "-c", path], capture_output=True, text=True,
+        listing = subprocess.run([tools() / "nvdisasm", "-gi", "-c", path], capture_output=True, text=True,
                                  check=True).stdout
     fn = _function(listing, dtype)
     name = DTYPES[dtype]
     reg = re.search(rf"Function [^\n]*{name}[^\n]*:\s*\n\s*REG:(\d+)", usage)
     rows = located(fn, str(source))
     resolved = _resolve_labels(fn)
-    loop = _loop_body(resolved)
+    loop = loop_body(resolved)
     if loop is None:
         raise RuntimeError("no page loop (a conditional branch back) in pages_kernel")
     body = [(op, line) for at, op, line in rows if loop[0] <= at <= loop[1]]
@@ -146,7 +146,7 @@ def _resolve_labels(listing: str) -> str:
         if label:
             pending.append(label.group(1))
             continue
-        m = _SASS_LINE.search(text)
+        m = SASS_LINE.search(text)
         if m and pending:
             labels.update(dict.fromkeys(pending, m.group(1)))
             pending = []
