@@ -40,6 +40,7 @@ WARPS = 4  # programs (warps) per block: 2 blocks an SM at two cp.async stages, 
 # 8 x 32,768, 1 x 131,072). At one stage every build fits four blocks an SM (128 registers a thread,
 # `__launch_bounds__`; 44-53 KiB of shared memory a block)
 DEEP_WAVES = 2
+NVCC_FLAGS = ["-O3"]  # besides torch's own (`torch.utils.cpp_extension.COMMON_NVCC_FLAGS`)
 # a `build` slower than this ran nvcc (on one H200: 27 s a build; a whole process that loaded one from
 # torch's extension cache, 4 s)
 BUILT_AFTER_S = 10.0
@@ -104,7 +105,7 @@ def _build(n_boost: int, stages: int):
         cpp_sources="int64_t page_partials(std::vector<int64_t> p, std::vector<int64_t> n, double scaling);",
         cuda_sources=[SOURCE.read_text(), _BINDING],
         functions=["page_partials"],
-        extra_cuda_cflags=["-O3", f"-DKITTY_NB={n_boost}", f"-DKITTY_STAGES={stages}"],
+        extra_cuda_cflags=[*NVCC_FLAGS, f"-DKITTY_NB={n_boost}", f"-DKITTY_STAGES={stages}"],
     )
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from .cli import parser
 from .sass import SASS_LINE, family_mix, loop_body, tools
 
+
 def compile_launch(kernel, args, options: dict, arch: int = 90):
     """One launch (`decode.decode_launches`) compiled for sm_`arch`, specialized exactly as a launch
     with these arguments would be (strides of 1, 16-byte alignment), without a GPU."""
@@ -140,11 +141,11 @@ def arguments():
                    "(it writes the step's token)")
     c = p.add_argument_group("the CUDA page kernel (kernels/cuda/decode.cu, compiled by nvcc: kitty_core.compile_cuda)")
     c.add_argument("--cuda", action="store_true", help="report the CUDA page kernel instead of the Triton kernels")
-    c.add_argument("--boosted", default="0,16,32,64", help="boosted channel counts, one build each")
-    c.add_argument("--cuda-stages", default="1,2", help="cp.async stages, one build each")
+    c.add_argument("--boosted", default=None, help="boosted channel counts, one build each (default 0,16,32,64)")
+    c.add_argument("--cuda-stages", default=None, help="cp.async stages, one build each (default 1,2)")
     c.add_argument("--cuda-source", default=None, help="a variant of decode.cu to compile instead")
-    c.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="the queries' dtype")
-    c.add_argument("--cuda-arch", default="sm_90a")
+    c.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="the queries' dtype (default bf16)")
+    c.add_argument("--cuda-arch", default=None, help="the GPU to compile for (default sm_90a)")
     c.add_argument("--parts", action="store_true", help="the page loop's instructions by part of the kernel")
     p.add_argument("--columns", default="kernel,unpack,key_dots,warps,registers,spill_ops,loop_spill_ops,shared_bytes,instructions,"
                    "loop_instructions,warp_instructions_per_page,"
@@ -157,6 +158,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)  # before torch and Triton load
     if a.cuda:
         return cuda_main(a, p)
+    given = [f"--{k.replace('_', '-')}" for k in ("boosted", "cuda_stages", "cuda_source", "dtype", "cuda_arch", "parts")
+             if getattr(a, k)]
+    if given:
+        p.error(f"{', '.join(given)}: options of the CUDA page kernel's report, which --cuda asks for")
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("unset TRITON_INTERPRET: the interpreter does not compile")
     launch = {} if a.max_registers is None else {"max_registers": a.max_registers or None}
@@ -183,7 +188,7 @@ def cuda_main(a, p) -> int:
         except ValueError:
             p.error(f"{what}: a comma-separated list of integers, got {text!r}")
 
-    boosted, stages = counts(a.boosted, "--boosted"), counts(a.cuda_stages, "--cuda-stages")
+    boosted, stages = counts(a.boosted or "0,16,32,64", "--boosted"), counts(a.cuda_stages or "1,2", "--cuda-stages")
     if not set(boosted) <= set(BOOSTED):
         p.error(f"--boosted: the kernel is built for {', '.join(map(str, BOOSTED))} boosted channels, got {a.boosted}")
     if not set(stages) <= {1, 2}:
@@ -192,7 +197,7 @@ def cuda_main(a, p) -> int:
     if source is not None and not source.is_file():
         p.error(f"--cuda-source: no file {source}")
     try:
-        df = cuda_report(boosted, stages, source, a.dtype, a.cuda_arch)
+        df = cuda_report(boosted, stages, source, a.dtype or "bf16", a.cuda_arch or "sm_90a")
     except RuntimeError as e:
         p.exit(2, f"kitty_core.compile: {e}\n")
     cols = ["boosted", "stages", "registers", "spill_ops", "loop_spill_ops", "loop_instructions", "loop_tensor core",

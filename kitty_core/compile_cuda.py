@@ -8,8 +8,8 @@ source), each instruction counted where it was written, not where a helper it ca
     python -m kitty_core.compile --cuda --cuda-source my_variant.cu --parts   # price a change before timing it
 
 It needs nvcc (the CUDA toolkit); the disassembler comes with Triton's wheel. The count is static,
-the instructions of the loop's body, which a warp issues once a page (the few branches inside it,
-the last pages' copies, are taken on almost every trip). Nsight Compute's count per page on a GPU
+the instructions of the loop's body, which a warp issues once a page (what the few branches inside
+it guard, the next page's copy, runs on almost every trip). Nsight Compute's count per page on a GPU
 (`docs/engine.md`) is within a few percent of it; the time itself is measured on a GPU
 (`python -m kitty_core.bench kernels --cuda`).
 """
@@ -26,12 +26,9 @@ from pathlib import Path
 import pandas as pd
 from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
-from kernels.cuda_decode import SOURCE
+from kernels.cuda_decode import NVCC_FLAGS, SOURCE
 
 from .sass import SASS_LINE, family_mix, loop_body, tools
-
-# the flags `kernels.cuda_decode` adds to those torch's extension build passes nvcc
-NVCC_FLAGS = ["-O3", *COMMON_NVCC_FLAGS]
 DTYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}
 _PART = re.compile(r"^\s*// ---- ([^:(]+?)\s*(?::|\(|----)")
 _LOCATION = re.compile(r'//## File "([^"]+)", line (\d+)(?: inlined at "([^"]+)", line (\d+))?')
@@ -51,7 +48,8 @@ def build_cubin(source: Path, n_boost: int, stages: int, arch: str = "sm_90a") -
     cp.async stages, with line information (which does not change the code)."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "pages.cubin"
-        out = subprocess.run([nvcc(), f"-arch={arch}", "-cubin", "-lineinfo", *NVCC_FLAGS, f"-DKITTY_NB={n_boost}",
+        out = subprocess.run([nvcc(), f"-arch={arch}", "-cubin", "-lineinfo", *COMMON_NVCC_FLAGS, *NVCC_FLAGS,
+                              f"-DKITTY_NB={n_boost}",
                               f"-DKITTY_STAGES={stages}", "-o", str(cubin), str(source)],
                              check=False, capture_output=True, text=True)
         if out.returncode:
@@ -60,9 +58,9 @@ def build_cubin(source: Path, n_boost: int, stages: int, arch: str = "sm_90a") -
 
 
 def _function(listing: str, dtype: str) -> str:
-    """The part of a listing (cuobjdump -sass or nvdisasm) that holds pages_kernel<dtype, ...>."""
+    """The part of an nvdisasm listing that holds pages_kernel<dtype, ...>."""
     name = DTYPES[dtype]
-    parts = re.split(r"(?=Function : |//-+ \.text\.)", listing)
+    parts = re.split(r"(?=//-+ \.text\.)", listing)
     found = [p for p in parts if "pages_kernel" in p.split("\n", 1)[0] and name in p.split("\n", 1)[0]]
     if not found:
         raise RuntimeError(f"no pages_kernel<{name}, ...> in the compiled code: is it a variant of decode.cu?")
@@ -71,13 +69,13 @@ def _function(listing: str, dtype: str) -> str:
 
 def part_lines(source_text: str) -> dict[int, str]:
     """Source line -> the part of pages_kernel it belongs to: the `// ---- name: ...` sections inside
-    the kernel, and "page copies" for the loop's lines before its first section (the next page's
-    copy, the wait for this one)."""
+    the kernel, and "set-up" for its lines before the first section (in the page loop: values of
+    the set-up, such as thread indices, recomputed where registers ran short)."""
     lines = source_text.split("\n")
     start = next((i for i, text in enumerate(lines) if "pages_kernel(" in text and "__global__" in text), None)
     if start is None:
         raise RuntimeError("no `__global__ ... pages_kernel(` in the source")
-    part, parts = "page copies", {}
+    part, parts = "set-up", {}
     for i in range(start, len(lines)):
         m = _PART.match(lines[i])
         if m:
@@ -116,26 +114,35 @@ def inspect_cuda(cubin: bytes, source: Path, dtype: str = "bf16") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "pages.cubin"
         path.write_bytes(cubin)
-        usage = subprocess.run([tools() / "cuobjdump", "--dump-resource-usage", path], capture_output=True,
-                               text=True, check=True).stdout
-        listing = subprocess.run([tools() / "nvdisasm", "-gi", "-c", path], capture_output=True, text=True,
-                                 check=True).stdout
+        try:
+            usage = subprocess.run([tools() / "cuobjdump", "--dump-resource-usage", path], capture_output=True,
+                                   text=True, check=True).stdout
+            listing = subprocess.run([tools() / "nvdisasm", "-gi", "-c", path], capture_output=True, text=True,
+                                     check=True).stdout
+        except (ImportError, OSError, subprocess.CalledProcessError) as e:
+            raise RuntimeError(f"reading the compiled kernel needs Triton's cuobjdump and nvdisasm: {e}") from e
     fn = _function(listing, dtype)
     name = DTYPES[dtype]
     reg = re.search(rf"Function [^\n]*{name}[^\n]*:\s*\n\s*REG:(\d+)", usage)
-    rows = located(fn, str(source))
-    resolved = _resolve_labels(fn)
-    loop = loop_body(resolved)
-    if loop is None:
-        raise RuntimeError("no page loop (a conditional branch back) in pages_kernel")
-    body = [(op, line) for at, op, line in rows if loop[0] <= at <= loop[1]]
-    ops = Counter(op for _, op, _ in rows)
+    if reg is None:
+        raise RuntimeError(f"cuobjdump reported no registers for pages_kernel<{name}, ...>")
+    body = page_loop(fn, source)
+    ops = Counter(op for _, op, _ in located(fn, str(source)))
     loop_ops = Counter(op for op, _ in body)
-    parts = part_lines(source.read_text())
-    by_part = Counter(parts.get(line, "elsewhere") if line else "elsewhere" for _, line in body)
-    return {"registers": int(reg.group(1)) if reg else None, "spill_ops": ops["STL"] + ops["LDL"],
+    by_part = Counter(part for _, part in body)
+    return {"registers": int(reg.group(1)), "spill_ops": ops["STL"] + ops["LDL"],
             "loop_spill_ops": loop_ops["STL"] + loop_ops["LDL"], **family_mix(ops), **family_mix(loop_ops, "loop_"),
             **{f"part:{p}": n for p, n in by_part.items()}}
+
+
+def page_loop(fn: str, source: Path) -> list[tuple[str, str]]:
+    """(opcode, part of the kernel) of each instruction of the page loop in one function's listing;
+    "elsewhere" for an instruction that no line of the kernel's body wrote."""
+    loop = loop_body(_resolve_labels(fn))
+    if loop is None:
+        raise RuntimeError("no page loop (a conditional branch back) in pages_kernel")
+    parts = part_lines(source.read_text())
+    return [(op, parts.get(line, "elsewhere")) for at, op, line in located(fn, str(source)) if loop[0] <= at <= loop[1]]
 
 
 def _resolve_labels(listing: str) -> str:
@@ -150,7 +157,12 @@ def _resolve_labels(listing: str) -> str:
         if m and pending:
             labels.update(dict.fromkeys(pending, m.group(1)))
             pending = []
-    return re.sub(r"`\((\.L_x_\d+)\)", lambda m: "0x" + labels.get(m.group(1), "0"), listing)
+    def address(m: re.Match) -> str:
+        if m.group(1) not in labels:
+            raise RuntimeError(f"nvdisasm's label {m.group(1)} names no instruction")
+        return "0x" + labels[m.group(1)]
+
+    return re.sub(r"`\((\.L_x_\d+)\)", address, listing)
 
 
 def cuda_report(boosted=(0, 16, 32, 64), stages=(1, 2), source: Path | None = None, dtype: str = "bf16",
@@ -162,8 +174,9 @@ def cuda_report(boosted=(0, 16, 32, 64), stages=(1, 2), source: Path | None = No
         for st in stages:
             info = inspect_cuda(build_cubin(source, nb, st, arch), source, dtype)
             rows.append({"kernel": "pages_kernel (CUDA)", "boosted": nb, "stages": st, "dtype": dtype, **info})
-    df = pd.DataFrame(rows).fillna(0)
+    df = pd.DataFrame(rows)
     order = [f"part:{p}" for p in dict.fromkeys([*part_lines(source.read_text()).values(), "elsewhere"])]
+    df[[c for c in order if c in df]] = df[[c for c in order if c in df]].fillna(0)
     return df[[c for c in df.columns if not c.startswith("part:")] + [c for c in order if c in df.columns]]
 
 

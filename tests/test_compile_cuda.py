@@ -1,35 +1,48 @@
 """The CUDA page kernel read as machine code (`kitty_core.compile_cuda`): instructions counted where
 they were written, through inlined helpers, and the page loop's tensor-core instructions matching
-the kernel's structure. The compiled checks need nvcc and are skipped without it."""
+the kernel's structure, each in its part. The compiled checks need nvcc and are skipped without it."""
 
 import shutil
+import subprocess
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from kitty_core.compile_cuda import SOURCE, _resolve_labels, cuda_report, located, part_lines, parts_table
+from kitty_core import compile_cuda
+from kitty_core.compile_cuda import SOURCE, _function, _resolve_labels, build_cubin, located, page_loop, part_lines
+from kitty_core.sass import tools
 
+# as `nvdisasm -gi` prints it: a location is a chain, innermost frame first, the outermost on its own line
 LISTING = textwrap.dedent("""\
     .L_x_3:
     \t//## File "/usr/include/sm_20_intrinsics.hpp", line 151 inlined at "/src/decode.cu", line 84
     \t//## File "/src/decode.cu", line 84 inlined at "/src/decode.cu", line 250
+    \t//## File "/src/decode.cu", line 250
             /*0010*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64] ;
     \t//## File "/src/decode.cu", line 300
             /*0020*/                   IMMA.16832.U8.S8 R8, R12, R16, R8 ;
             /*0030*/              @!P0 BRA `(.L_x_3) ;
+    \t//## File "/usr/include/cuda_fp16.hpp", line 980
+            /*0040*/                   HADD2.F32 R1, -RZ, R2.H0_H0 ;
     """)
 
 
 def test_an_instruction_counts_at_its_outermost_line_in_the_kernels_source():
-    assert located(LISTING, "/src/decode.cu") == [(0x10, "LDGSTS", 250), (0x20, "IMMA", 300), (0x30, "BRA", 300)]
+    assert located(LISTING, "/src/decode.cu") == [(0x10, "LDGSTS", 250), (0x20, "IMMA", 300), (0x30, "BRA", 300),
+                                                  (0x40, "HADD2", None)]
     assert "@!P0 BRA 0x0010" in _resolve_labels(LISTING)
+    with pytest.raises(RuntimeError, match="names no instruction"):
+        _resolve_labels(LISTING.replace("BRA `(.L_x_3)", "BRA `(.L_x_9)"))
 
 
-def test_the_kernels_parts_are_its_marked_sections_in_source_order():
+def test_the_kernels_parts_are_its_marked_sections():
     source = textwrap.dedent("""\
         __device__ int helper() { return 1; }
         __global__ void pages_kernel(const PageArgs a) {
           for (int i = 0; i < n; ++i) {
+            // ---- page copies: the next page ----
             cp_wait<0>();
             // ---- scores: tiles ----
             x = 1;
@@ -40,32 +53,52 @@ def test_the_kernels_parts_are_its_marked_sections_in_source_order():
         int after;
         """)
     parts = part_lines(source)
-    assert (parts[4], parts[6], parts[8]) == ("page copies", "scores", "online softmax")
-    assert 1 not in parts and 11 not in parts
+    assert (parts[3], parts[5], parts[7], parts[9]) == ("set-up", "page copies", "scores", "online softmax")
+    assert 1 not in parts and 12 not in parts
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")
-def test_the_page_loop_holds_the_kernels_mmas_and_every_instruction_has_a_part():
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit)")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("n_boost", [0, 32])
+def test_each_mma_of_the_page_loop_is_counted_in_its_part(n_boost):
     """A page is 4 token quarters x 2 halves: keys 4 k-tiles of m16n8k32 each (+1 for the boosted
-    channels' high codes at 32 boosted), values 2 channel tiles x 4 code planes of m16n8k16 each."""
-    df = cuda_report(boosted=(0, 32), stages=(1,))
-    assert df["loop_tensor core"].tolist() == [8 * 4 + 8 * 8, 8 * 5 + 8 * 8]
-    table = parts_table(df)
-    assert "elsewhere" not in table.index  # every instruction of the loop is in the kernel's own lines
-    assert (table.drop("whole loop").sum() == table.loc["whole loop"]).all()
-    named = [p for p in part_lines(SOURCE.read_text()).values()]
-    assert list(table.index[:-1]) == list(dict.fromkeys(p for p in named if p in table.index))
-    assert (df["registers"] <= 128).all()  # one stage: four blocks an SM
+    channels' high codes), values 2 channel tiles x 4 code planes of m16n8k16 each. The MMAs are
+    written in a helper (`mma`, `mma_u8s8`) far from the kernel: each must count where it is called."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "pages.cubin"
+        cubin.write_bytes(build_cubin(SOURCE, n_boost, 1))
+        listing = subprocess.run([tools() / "nvdisasm", "-gi", "-c", cubin], capture_output=True, text=True,
+                                 check=True).stdout
+    body = page_loop(_function(listing, "bf16"), SOURCE)
+    mmas = {(op, part) for op, part in body if op in ("HMMA", "IMMA")}
+    assert mmas == {("HMMA", "values"), ("IMMA", "scores")}
+    assert sum(op == "HMMA" for op, _ in body) == 8 * 8
+    assert sum(op == "IMMA" for op, _ in body) == 8 * (4 + (n_boost > 0))
+    assert sum(op == "LDGSTS" for op, part in body if part == "page copies") >= 16 + 2  # two planes, scales
+    assert all(part != "elsewhere" for _, part in body)
 
 
 @pytest.mark.parametrize("args, said", [
-    (["--boosted", "7"], "built for 0, 16, 32, 64 boosted channels"),
-    (["--cuda-stages", "3"], "1 or 2 cp.async stages"),
-    (["--cuda-source", "/no/such/decode.cu"], "no file /no/such/decode.cu"),
+    (["--cuda", "--boosted", "7"], "built for 0, 16, 32, 64 boosted channels"),
+    (["--cuda", "--cuda-stages", "3"], "1 or 2 cp.async stages"),
+    (["--cuda", "--cuda-source", "/no/such/decode.cu"], "no file /no/such/decode.cu"),
+    (["--parts"], "which --cuda asks for"),
 ])
 def test_a_build_the_kernel_does_not_have_is_a_one_line_error(args, said, capsys):
     from kitty_core.compile import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["--cuda", *args])
+        main(args)
     assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_without_nvcc_the_report_says_what_to_install(monkeypatch, capsys):
+    from kitty_core.compile import main
+
+    monkeypatch.setattr(compile_cuda.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--cuda", "--boosted", "0", "--cuda-stages", "1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "nvcc not found: install the CUDA toolkit" in err and "Traceback" not in err

@@ -267,6 +267,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
   float m0 = __int_as_float(0xff800000), m1 = __int_as_float(0xff800000), l0 = 0.f, l1 = 0.f, z0 = 0.f, z1 = 0.f;
 
   for (int i = 0; i < count; ++i) {
+    // ---- page copies: page i + STAGES - 1 put in flight, page i waited for ----
     {
       const int nxt = i + STAGES - 1;
       const int kn = __shfl_sync(~0u, kid, nxt & 31), vn = __shfl_sync(~0u, vid, nxt & 31);
