@@ -25,6 +25,12 @@
 // four codes), and one MMA takes 32 channels. The rounding costs as much as the operands save (Nsight
 // Compute counts 0.5-3.4% more instructions than with fp16 dots), but the dependency chains are
 // shorter: on one H200 the fused step took 0.2-12% less time at the five shapes of `docs/engine.md`.
+// The rounding is done in fp16 pairs: the queries are staged in fp16 (bf16 ones converted, exact
+// within fp16's range, which real queries and q x key scale stay far inside), q x key scale is one
+// HMUL2 a pair (2^-11 relative, a sixteenth of the 8-bit step) and its rounding one HFMA2 a pair; the
+// zero term's dots (q . key zeros, and q . key scales for the rounding error) are exact on the tensor
+// cores, one m16n8k16 per 16 channels. Against fp32 preparation that is 14% fewer instructions a page
+// (`python -m kitty_core.compile --cuda --parts`) and 3-8% less time on one H200.
 // A score tile's accumulator is an 8x8 matrix pair in the fragment layout; `movmatrix.trans` turns
 // it into the B operand of the value MMA (head = lane / 4), so the weights never leave registers.
 // Value codes become operands in registers: a 32-bit word of packed bytes masked in place for plane P
@@ -42,14 +48,17 @@
 // Pipelining: each warp streams its pages through STAGES shared-memory buffers with cp.async
 // (page p + STAGES - 1 is in flight while page p is computed); a page's planes, scales and boost
 // index are one group. With one stage a warp waits for each page's copy, and other warps hide it:
-// the block's smaller footprint (the queries kept in their own dtype, 2 KiB a warp, and one page
+// the block's smaller footprint (the queries in fp16, 2 KiB a warp, and one page
 // buffer) and 128 registers a thread let four blocks share an SM instead of two (`launch_plan` in
 // `kernels/cuda_decode.py` takes one stage for deep grids only). Shared-memory rows are
-// XOR-swizzled so that the fragment reads hit distinct banks.
+// XOR-swizzled so that the fragment reads hit distinct banks, and a lane's copies of a page share
+// one shared and one global base address a plane, the rest immediate offsets of the instructions.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+
+#include <utility>
 
 namespace kitty {
 
@@ -145,17 +154,6 @@ __device__ __forceinline__ float plane_scale(int p) { return 16777216.f / float(
 template <typename T> __device__ __forceinline__ float to_f(T x);
 template <> __device__ __forceinline__ float to_f<half>(half x) { return __half2float(x); }
 template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-// four queries (8 bytes) as floats
-template <typename T> __device__ __forceinline__ float4 to_f4(uint2 w);
-template <> __device__ __forceinline__ float4 to_f4<half>(uint2 w) {
-  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&w.x));
-  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&w.y));
-  return make_float4(a.x, a.y, b.x, b.y);
-}
-template <> __device__ __forceinline__ float4 to_f4<__nv_bfloat16>(uint2 w) {  // bf16 -> fp32: the high half
-  return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u), __uint_as_float(w.y << 16),
-                     __uint_as_float(w.y & 0xffff0000u));
-}
 template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ half from_f<half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
@@ -169,35 +167,41 @@ __device__ __forceinline__ int key_row(int g, int jh, int s) { return 8 * (g >> 
 __device__ __forceinline__ int kd_off(int r, int c) { return r * 128 + ((c ^ (((r >> 1) & 1) << 2)) << 4); }
 __device__ __forceinline__ int vl_off(int r, int u) { return r * 128 + ((u ^ ((r & 3) << 2)) << 3); }
 
+// one 16-byte copy to shared address dst + OFF from src + OFF: both offsets are immediates of the
+// instruction, so a page's copies share two base addresses and cost no address arithmetic
+template <int OFF>
+__device__ __forceinline__ void cp16_at(uint32_t dst, const uint8_t* src) {
+  asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%2], 16;\n" ::"r"(dst), "l"(src), "n"(OFF));
+}
+
+// copies k = 0, 1, ... of 16 bytes at offset 512 k (32 lanes x 16 bytes apart)
+template <int... K>
+__device__ __forceinline__ void cp_rows(uint32_t dst, const uint8_t* src, std::integer_sequence<int, K...>) {
+  (cp16_at<512 * K>(dst, src), ...);
+}
+
 template <int NB>
 __device__ __forceinline__ void issue_page(uint8_t* st, const PageArgs& a, int kp, int vp, int h, int lane) {
   using L = Layout<NB>;
-  const uint8_t* kd = a.kd + kp * a.sKDp + h * a.sKDh;
-  const uint8_t* vl = a.vl + vp * a.sVLp + h * a.sVLh;
-#pragma unroll
-  for (int i = lane; i < 256; i += 32) {  // 32 rows x 8 chunks each
-    int r = i >> 3, c = i & 7;
-    cp16(st + L::KD + kd_off(r, c), kd + i * 16);
-    // value rows: 16 chunks of 8-byte units (2u, 2u + 1); the swizzle keeps unit pairs together
-    int u = c * 2;
-    cp16(st + L::VL + vl_off(r, u), vl + i * 16);
-  }
-  if (lane < 16) {
-    const uint8_t* ks = reinterpret_cast<const uint8_t*>(a.ks + kp * a.sKSp + h * a.sKSh);
-    const uint8_t* kz = reinterpret_cast<const uint8_t*>(a.kz + kp * a.sKSp + h * a.sKSh);
-    cp16(st + L::KS + lane * 16, ks + lane * 16);
-    cp16(st + L::KZ + lane * 16, kz + lane * 16);
-  } else {
-    int j = lane - 16;
-    const uint8_t* vs = reinterpret_cast<const uint8_t*>(a.vs + vp * a.sVSp + h * a.sVSh);
-    const uint8_t* vz = reinterpret_cast<const uint8_t*>(a.vz + vp * a.sVSp + h * a.sVSh);
-    cp16(st + L::VS + j * 16, vs + j * 16);
-    cp16(st + L::VZ + j * 16, vz + j * 16);
-  }
+  const uint32_t base = smem_addr(st);
+  // lane l copies bytes 16 l + 512 k of both planes (32 rows of 128 bytes): row r = l / 8 + 4 k, 16-byte
+  // chunk l % 8, and the swizzles depend on r's low two bits only, which k leaves alone
+  const int r = lane >> 3, c = lane & 7;
+  cp_rows(base + L::KD + kd_off(r, c), a.kd + kp * a.sKDp + h * a.sKDh + lane * 16, std::make_integer_sequence<int, 8>{});
+  // value rows: 16 chunks of 8-byte units (2u, 2u + 1); the swizzle keeps unit pairs together
+  cp_rows(base + L::VL + vl_off(r, 2 * c), a.vl + vp * a.sVLp + h * a.sVLh + lane * 16, std::make_integer_sequence<int, 8>{});
+  // scales and zeros: lanes 0-15 the key page's [D], lanes 16-31 the value page's [G] (each 256 bytes;
+  // VS = KS + 512, and each zero row lies 256 bytes past its scale row)
+  const bool key = lane < 16;
+  const long long so = key ? kp * a.sKSp + h * a.sKSh : vp * a.sVSp + h * a.sVSh;
+  const uint8_t* sc = reinterpret_cast<const uint8_t*>((key ? a.ks : a.vs) + so) + (lane & 15) * 16;
+  const uint8_t* zr = reinterpret_cast<const uint8_t*>((key ? a.kz : a.vz) + so) + (lane & 15) * 16;
+  const uint32_t sd = base + L::KS + lane * 16 + (key ? 0 : 256);
+  cp16_at<0>(sd, sc);
+  cp16_at<0>(sd + 256, zr);
   if constexpr (NB > 0) {
-    const uint8_t* kh = a.kh + kp * a.sKHp + h * a.sKHh;
-#pragma unroll
-    for (int i = lane; i < NB * 2; i += 32) cp16(st + L::KH + i * 16, kh + i * 16);
+    cp_rows(base + L::KH + lane * 16, a.kh + kp * a.sKHp + h * a.sKHh + lane * 16,
+            std::make_integer_sequence<int, NB / 16>{});
     const uint8_t* kc = a.kc + kp * a.sKCp + h * a.sKCh;
     if (lane < NB / 16) cp16(st + L::KC + lane * 16, kc + lane * 16);
   }
@@ -223,7 +227,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
   const int chunk = item % a.chunks;
   const int h = (item / a.chunks) % a.hkv;
   const int b = item / (a.chunks * a.hkv);
-  T* qs = reinterpret_cast<T*>(smem + warp * warp_bytes<NB, STAGES>());
+  half* qs = reinterpret_cast<half*>(smem + warp * warp_bytes<NB, STAGES>());
   uint8_t* stages = reinterpret_cast<uint8_t*>(qs + RMAX * D);
 
   // the sequence's live slots spread evenly over the grid's chunks, at most ppp each (the grid has
@@ -253,7 +257,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
   const T* q = reinterpret_cast<const T*>(a.q) + b * a.sQb + (long long)(h * a.rep) * a.sQh;
   for (int i = lane; i < RMAX * D; i += 32) {
     const int r = i / D;
-    qs[i] = r < a.rep ? q[r * a.sQh + i % D] : from_f<T>(0.f);
+    qs[i] = r < a.rep ? __float2half_rn(to_f<T>(q[r * a.sQh + i % D])) : __float2half_rn(0.f);
   }
   __syncwarp();
 
@@ -279,48 +283,62 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     const uint8_t* st = stages + (i % STAGES) * L::BYTES;
 
     // ---- the queries for int8 key dots: x the page's key scales, rounded to 8 bits per head (sigma = max / 127) ----
-    // Thread (g, t) holds head g's channels of its 8 code words: word k is channels c0 .. c0 + 3 with
-    // c0 = 64 (k / 4) + 16 t + 4 (k % 4), the same channels its dense-plane words hold. k-tile kk of
-    // mma.m16n8k32 takes words 2 kk (a0, a1; b0) and 2 kk + 1 (a2, a3; b1): A and B agree on the
-    // reduction order, which is all an MMA needs.
-    float xq[8][4];
-    float zq = 0.f, amax = 0.f, xsum = 0.f;
+    // Thread (g, t) holds head g's channels c0 .. c0 + 15 for c0 = 16 t and 64 + 16 t as 16 fp16 pairs:
+    // pair k is channels 64 (k / 8) + 16 t + 2 (k % 8) + {0, 1}, and code word w (pairs 2w, 2w + 1) the
+    // same four channels as its dense-plane word w. k-tile kk of mma.m16n8k32 takes words 2 kk (a0,
+    // a1; b0) and 2 kk + 1 (a2, a3; b1): A and B agree on the reduction order, which is all an MMA needs.
+    uint32_t qw[16], sw[16], aw[16];
 #pragma unroll
     for (int v = 0; v < 2; ++v) {
       const int c = 64 * v + 16 * t;
-      const uint2* qp = reinterpret_cast<const uint2*>(qs + g * D + c);
-      const uint4 ksw0 = *reinterpret_cast<const uint4*>(st + L::KS + 2 * c);
-      const uint4 ksw1 = *reinterpret_cast<const uint4*>(st + L::KS + 2 * c + 16);
-      const uint4 kzw0 = *reinterpret_cast<const uint4*>(st + L::KZ + 2 * c);
-      const uint4 kzw1 = *reinterpret_cast<const uint4*>(st + L::KZ + 2 * c + 16);
-      const uint32_t ksw[8] = {ksw0.x, ksw0.y, ksw0.z, ksw0.w, ksw1.x, ksw1.y, ksw1.z, ksw1.w};
-      const uint32_t kzw[8] = {kzw0.x, kzw0.y, kzw0.z, kzw0.w, kzw1.x, kzw1.y, kzw1.z, kzw1.w};
+      const uint4 q0 = *reinterpret_cast<const uint4*>(qs + g * D + c);
+      const uint4 q1 = *reinterpret_cast<const uint4*>(qs + g * D + c + 8);
+      const uint4 s0 = *reinterpret_cast<const uint4*>(st + L::KS + 2 * c);
+      const uint4 s1 = *reinterpret_cast<const uint4*>(st + L::KS + 2 * c + 16);
+      // the A operand of the zero and scale dots: row 0 the key zeros, row 1 the key scales (rows 2-15
+      // repeat them, and their sums are not read)
+      const uint8_t* ar = st + ((g & 1) ? L::KS : L::KZ) + 2 * c;
+      const uint4 a0 = *reinterpret_cast<const uint4*>(ar);
+      const uint4 a1 = *reinterpret_cast<const uint4*>(ar + 16);
+      const uint32_t qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+      const uint32_t sv[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+      const uint32_t av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float4 qv = to_f4<T>(qp[w]);
-        const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&ksw[2 * w]));
-        const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&ksw[2 * w + 1]));
-        const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&kzw[2 * w]));
-        const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&kzw[2 * w + 1]));
-        float* x = xq[4 * v + w];
-        x[0] = qv.x * s01.x; x[1] = qv.y * s01.y; x[2] = qv.z * s23.x; x[3] = qv.w * s23.y;
-        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(x[0]), fabsf(x[1])), fmaxf(fabsf(x[2]), fabsf(x[3]))));
-        xsum += (x[0] + x[1]) + (x[2] + x[3]);
-        zq += qv.x * z01.x + qv.y * z01.y + qv.z * z23.x + qv.w * z23.y;
-      }
+      for (int k = 0; k < 8; ++k) { qw[8 * v + k] = qv[k]; sw[8 * v + k] = sv[k]; aw[8 * v + k] = av[k]; }
     }
+    // the zero term's dots sum_d q_d z_d and sum_d q_d s_d, exact (fp16 products, fp32 sums), one
+    // m16n8k16 per 16 channels: thread (0, t) gets the first for heads 2t, 2t + 1, thread (1, t) the second
+    float zx[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) mma(zx, aw[2 * j], aw[2 * j], aw[2 * j + 1], aw[2 * j + 1], qw[2 * j], qw[2 * j + 1]);
+    // q x key scale in fp16 pairs (2^-11 relative: 1/16 of the 8-bit step), and its largest magnitude
+    __half2 x2[16];
+    __half2 amax2 = __float2half2_rn(0.f);
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      x2[k] = __hmul2(*reinterpret_cast<const __half2*>(&qw[k]), *reinterpret_cast<const __half2*>(&sw[k]));
+      amax2 = __hmax2(amax2, __habs2(x2[k]));
+    }
+    float amax = fmaxf(__low2float(amax2), __high2float(amax2));
     amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, 1));
     amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, 2));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;  // rows past the group's heads are zero
+    // x / sigma rounded to nearest (even) in one HFMA2 a pair: 1536 + x / sigma lies in [1024, 2048), where
+    // fp16's step is 1, and its low mantissa byte is the rounded value in two's complement. sigma is
+    // 1 / (the fp16 reciprocal), so that the codes' scale is the one they were rounded with
+    const __half inv = __float2half_rn(amax > 0.f ? 127.f / amax : 0.f);  // rows past the group's heads are zero
+    const float sigma = amax > 0.f ? 1.f / __half2float(inv) : 0.f;
+    const __half2 inv2 = __half2half2(inv), magic = __float2half2_rn(1536.f);
     uint32_t kb8[8];
-    int rsum = 0;  // the thread's rounded queries, summed: with xsum, the rounding's error at the codes' mean
+    int rsum = 0;  // the thread's rounded queries, summed: with the scale dot, the rounding's error at the codes' mean
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      kb8[k] = round_s8x4(xq[k][0] * inv, xq[k][1] * inv, xq[k][2] * inv, xq[k][3] * inv);
-      rsum = __dp4a(int(kb8[k]), 0x01010101, rsum);
+    for (int w = 0; w < 8; ++w) {
+      const __half2 lo = __hfma2(x2[2 * w], inv2, magic), hi = __hfma2(x2[2 * w + 1], inv2, magic);
+      kb8[w] = __byte_perm(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi), 0x6420);
+      rsum = __dp4a(int(kb8[w]), 0x01010101, rsum);
     }
-    // a score's rounding error is sum_d e_d c_d; its part at the mean code 1.5 is the same for every token
-    zq -= 1.5f * (float(rsum) * (amax * (1.f / 127.f)) - xsum);
+    // a score's rounding error is sum_d e_d c_d; its part at the mean code 1.5 is the same for every
+    // token: 1.5 (sigma sum_d r_d - sum_d q_d s_d), the first sum here, the second from the MMA
+    float rerr = 1.5f * float(rsum) * sigma;
     constexpr int NBW = NB / 16;  // a thread's words of the high plane a row (NB / 4 bytes)
     uint32_t hb8[NBW > 0 ? NBW : 1];
     float bamax = 0.f;
@@ -335,7 +353,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
         for (int j = 0; j < 4; ++j) {
           const int ch = (chs >> (8 * j)) & 0xff;
           const float sc = __half2float(*reinterpret_cast<const half*>(st + L::KS + 2 * ch));
-          xb[w][j] = to_f<T>(qs[g * D + ch]) * sc;
+          xb[w][j] = __half2float(qs[g * D + ch]) * sc;
           bamax = fmaxf(bamax, fabsf(xb[w][j]));
           bsum += xb[w][j];
         }
@@ -349,13 +367,16 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
         hb8[w] = round_s8x4(xb[w][0] * binv, xb[w][1] * binv, xb[w][2] * binv, xb[w][3] * binv);
         brsum = __dp4a(int(hb8[w]), 0x01010101, brsum);
       }
-      zq -= 6.f * (float(brsum) * (bamax * (1.f / 127.f)) - bsum);  // high codes weigh 4, mean 1.5
+      rerr += 6.f * (float(brsum) * (bamax * (1.f / 127.f)) - bsum);  // high codes weigh 4, mean 1.5
     }
-    zq += __shfl_xor_sync(~0u, zq, 1);
-    zq += __shfl_xor_sync(~0u, zq, 2);
-    zq *= a.scaling;
-    const float zero0 = __shfl_sync(~0u, zq, 8 * t), zero1 = __shfl_sync(~0u, zq, 8 * t + 4);
-    const float sig = amax * (1.f / 127.f) * a.scaling;
+    rerr += __shfl_xor_sync(~0u, rerr, 1);
+    rerr += __shfl_xor_sync(~0u, rerr, 2);
+    // the zero term of heads 2t and 2t + 1 (this thread's score columns)
+    const float e0 = __shfl_sync(~0u, rerr, 8 * t), e1 = __shfl_sync(~0u, rerr, 8 * t + 4);
+    const float qz0 = __shfl_sync(~0u, zx[0], t), qz1 = __shfl_sync(~0u, zx[1], t);
+    const float qs0 = __shfl_sync(~0u, zx[0], 4 + t), qs1 = __shfl_sync(~0u, zx[1], 4 + t);
+    const float zero0 = (qz0 + 1.5f * qs0 - e0) * a.scaling, zero1 = (qz1 + 1.5f * qs1 - e1) * a.scaling;
+    const float sig = sigma * a.scaling;
     const float sig0 = __shfl_sync(~0u, sig, 8 * t), sig1 = __shfl_sync(~0u, sig, 8 * t + 4);
     const float bsig = bamax * (4.f / 127.f) * a.scaling;  // x 4: the high codes' weight
     const float bsig0 = __shfl_sync(~0u, bsig, 8 * t), bsig1 = __shfl_sync(~0u, bsig, 8 * t + 4);
