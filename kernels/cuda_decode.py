@@ -59,9 +59,9 @@ int64_t page_partials(std::vector<int64_t> p, std::vector<int64_t> n, double sca
   a.nvp = reinterpret_cast<const int*>(p[11]);
   a.m = reinterpret_cast<float*>(p[12]); a.l = reinterpret_cast<float*>(p[13]);
   a.acc = reinterpret_cast<void*>(p[14]);
-  a.sQb = n[0]; a.sQh = n[1]; a.sKDp = n[2]; a.sKDh = n[3]; a.sKHp = n[4]; a.sKHh = n[5];
-  a.sKCp = n[6]; a.sKCh = n[7]; a.sKSp = n[8]; a.sKSh = n[9]; a.sVLp = n[10]; a.sVLh = n[11];
-  a.sVSp = n[12]; a.sVSh = n[13]; a.sKT = n[14]; a.sVT = n[15];
+  a.sQb = n[0]; a.sQh = n[1]; a.sKDp = (int)n[2]; a.sKDh = n[3]; a.sKHp = (int)n[4]; a.sKHh = n[5];
+  a.sKCp = (int)n[6]; a.sKCh = n[7]; a.sKSp = (int)n[8]; a.sKSh = n[9]; a.sVLp = (int)n[10]; a.sVLh = n[11];
+  a.sVSp = (int)n[12]; a.sVSh = n[13]; a.sKT = n[14]; a.sVT = n[15];
   a.sMb = n[16]; a.sMh = n[17]; a.sAb = n[18]; a.sAh = n[19]; a.sAc = n[20];
   a.batch = n[21]; a.hkv = n[22]; a.rep = n[23]; a.ppp = n[24]; a.chunks = n[25]; a.chunk0 = n[26];
   a.scaling = (float)scaling;
@@ -181,6 +181,9 @@ def page_partials(q: torch.Tensor, k_pages: dict, v_pages: dict, k_table: torch.
         raise ValueError("page tables and counts must be int32")
     if acc.dtype != q.dtype or m.dtype != torch.float32 or l.dtype != torch.float32:
         raise ValueError(f"partials: m, l float32 and acc in the query's dtype, got {m.dtype}, {l.dtype}, {acc.dtype}")
+    page_strides = (kd.stride(0), kh.stride(0), kc.stride(0), ks.stride(0), vl.stride(0), vs.stride(0))
+    if max(page_strides) >= 2**31:  # the kernel takes them as int (one IMAD.WIDE a page id)
+        raise ValueError(f"a page's stride in a pool must be below 2^31 elements, got {max(page_strides)}")
     ext = _build(nb, stages)
     ptrs = [q.data_ptr(), kd.data_ptr(), kh.data_ptr() if nb else kd.data_ptr(), kc.data_ptr() if nb else kd.data_ptr(),
             ks.data_ptr(), kz.data_ptr(), vl.data_ptr(), vs.data_ptr(), vz.data_ptr(), k_table.data_ptr(),

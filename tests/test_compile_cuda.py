@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import tempfile
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,10 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 @pytest.mark.parametrize("n_boost", [0, 32])
 def test_each_mma_of_the_page_loop_is_counted_in_its_part(n_boost):
     """A page is 4 token quarters x 2 halves: keys 4 k-tiles of m16n8k32 each (+1 for the boosted
-    channels' high codes), values 2 channel tiles x 4 code planes of m16n8k16 each. The MMAs are
-    written in a helper (`mma`, `mma_u8s8`) far from the kernel: each must count where it is called."""
+    channels' high codes), values 2 channel tiles x 4 code planes of m16n8k16 each; the queries' zero
+    and scale dots one m16n8k16 per 16 channels. The MMAs are written in a helper (`mma`, `mma_u8s8`)
+    far from the kernel: each must count where it is called. At one stage a page's key half and value
+    half are copied at two places of the loop."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "pages.cubin"
         cubin.write_bytes(build_cubin(SOURCE, n_boost, 1))
@@ -73,10 +76,13 @@ def test_each_mma_of_the_page_loop_is_counted_in_its_part(n_boost):
                                  check=True).stdout
     body = page_loop(_function(listing, "bf16"), SOURCE)
     mmas = {(op, part) for op, part in body if op in ("HMMA", "IMMA")}
-    assert mmas == {("HMMA", "values"), ("IMMA", "scores")}
-    assert sum(op == "HMMA" for op, _ in body) == 8 * 8
+    assert mmas == {("HMMA", "values"), ("HMMA", "the queries for int8 key dots"), ("IMMA", "scores")}
+    assert sum(op == "HMMA" for op, part in body if part == "values") == 8 * 8
+    assert sum(op == "HMMA" for op, part in body if part != "values") == 128 // 16
     assert sum(op == "IMMA" for op, _ in body) == 8 * (4 + (n_boost > 0))
-    assert sum(op == "LDGSTS" for op, part in body if part == "page copies") >= 16 + 2  # two planes, scales
+    copies = Counter(part for op, part in body if op == "LDGSTS")
+    assert set(copies) == {"page copies, at one stage"}
+    assert copies["page copies, at one stage"] == 2 * 8 + 2 + n_boost // 16 + (n_boost > 0)  # planes, scales
     assert all(part != "elsewhere" for _, part in body)
 
 

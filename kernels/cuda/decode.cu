@@ -68,12 +68,13 @@ constexpr int RMAX = 8;  // query heads per KV head the n = 8 tile takes
 struct PageArgs {
   const void* q;  // [B, Hq, D] (strides sQb, sQh; channels contiguous), fp16 or bf16
   long long sQb, sQh;
-  const uint8_t* kd; long long sKDp, sKDh;  // dense plane, [G/4, D] contiguous per page and head
-  const uint8_t* kh; long long sKHp, sKHh;  // high plane, [G/4, NB]
-  const uint8_t* kc; long long sKCp, sKCh;  // boost index, [NB] uint8
-  const half* ks; const half* kz; long long sKSp, sKSh;  // key scale / zero, [D]
-  const uint8_t* vl; long long sVLp, sVLh;  // value plane, [D/4, G]
-  const half* vs; const half* vz; long long sVSp, sVSh;  // value scale / zero, [G]
+  // per pool: a page's stride (int: one IMAD.WIDE a page id, checked by the caller) and a head's
+  const uint8_t* kd; int sKDp; long long sKDh;  // dense plane, [G/4, D] contiguous per page and head
+  const uint8_t* kh; int sKHp; long long sKHh;  // high plane, [G/4, NB]
+  const uint8_t* kc; int sKCp; long long sKCh;  // boost index, [NB] uint8
+  const half* ks; const half* kz; int sKSp; long long sKSh;  // key scale / zero, [D]
+  const uint8_t* vl; int sVLp; long long sVLh;  // value plane, [D/4, G]
+  const half* vs; const half* vz; int sVSp; long long sVSh;  // value scale / zero, [G]
   const int* kt; const int* vt; long long sKT, sVT;  // page tables [B, width]
   const int* nvp;  // packed value pages of each sequence [B]
   float* m; float* l; void* acc;  // partials: m, l [B, Hq, C]; acc [B, Hq, C, D]
@@ -84,7 +85,7 @@ struct PageArgs {
 
 template <int NB>
 struct Layout {
-  static constexpr int KD = 0, VL = 4096, KS = 8192, KZ = 8448, VS = 8704, VZ = 8960, KH = 9216;
+  static constexpr int KD = 0, VL = 4096, KS = 8192, KZ = KS + 256, VS = 8704, VZ = VS + 256, KH = 9216;
   static constexpr int KC = KH + NB * 32;
   static constexpr int BYTES = ((KC + NB + 127) / 128) * 128;
 };
@@ -139,10 +140,14 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
+// a register whose value does not matter (an operand of rows whose sums are not read): no instruction
+__device__ __forceinline__ uint32_t unset() {
+  uint32_t x;
+  asm volatile("" : "=r"(x));
+  return x;
 }
+
+__device__ __forceinline__ uint32_t half2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
 // Plane p of a word of packed bytes (or of it shifted right 8): bytes 0 and 2 -> the fp16 subnormals
 // 2^-24 x 4^p x code (one LOP3). p is a constant once the loops are unrolled.
@@ -180,31 +185,37 @@ __device__ __forceinline__ void cp_rows(uint32_t dst, const uint8_t* src, std::i
   (cp16_at<512 * K>(dst, src), ...);
 }
 
+// a page's key half: dense plane, scales and zeros, high plane and boost index
 template <int NB>
-__device__ __forceinline__ void issue_page(uint8_t* st, const PageArgs& a, int kp, int vp, int h, int lane) {
+__device__ __forceinline__ void issue_keys(uint8_t* st, const PageArgs& a, int kp, int h, int lane) {
   using L = Layout<NB>;
   const uint32_t base = smem_addr(st);
-  // lane l copies bytes 16 l + 512 k of both planes (32 rows of 128 bytes): row r = l / 8 + 4 k, 16-byte
-  // chunk l % 8, and the swizzles depend on r's low two bits only, which k leaves alone
-  const int r = lane >> 3, c = lane & 7;
-  cp_rows(base + L::KD + kd_off(r, c), a.kd + kp * a.sKDp + h * a.sKDh + lane * 16, std::make_integer_sequence<int, 8>{});
-  // value rows: 16 chunks of 8-byte units (2u, 2u + 1); the swizzle keeps unit pairs together
-  cp_rows(base + L::VL + vl_off(r, 2 * c), a.vl + vp * a.sVLp + h * a.sVLh + lane * 16, std::make_integer_sequence<int, 8>{});
-  // scales and zeros: lanes 0-15 the key page's [D], lanes 16-31 the value page's [G] (each 256 bytes;
-  // VS = KS + 512, and each zero row lies 256 bytes past its scale row)
-  const bool key = lane < 16;
-  const long long so = key ? kp * a.sKSp + h * a.sKSh : vp * a.sVSp + h * a.sVSh;
-  const uint8_t* sc = reinterpret_cast<const uint8_t*>((key ? a.ks : a.vs) + so) + (lane & 15) * 16;
-  const uint8_t* zr = reinterpret_cast<const uint8_t*>((key ? a.kz : a.vz) + so) + (lane & 15) * 16;
-  const uint32_t sd = base + L::KS + lane * 16 + (key ? 0 : 256);
-  cp16_at<0>(sd, sc);
-  cp16_at<0>(sd + 256, zr);
+  // lane l copies bytes 16 l + 512 k of the plane (32 rows of 128 bytes): row r = l / 8 + 4 k, 16-byte
+  // chunk l % 8, and the swizzle depends on r's low two bits only, which k leaves alone
+  cp_rows(base + L::KD + kd_off(lane >> 3, lane & 7), a.kd + (long long)kp * a.sKDp + h * a.sKDh + lane * 16,
+          std::make_integer_sequence<int, 8>{});
+  // scales (lanes 0-15) and zeros (16-31), 256 bytes each: KZ = KS + 256
+  const uint8_t* sz = reinterpret_cast<const uint8_t*>((lane < 16 ? a.ks : a.kz) + (long long)kp * a.sKSp + h * a.sKSh);
+  cp16_at<0>(base + L::KS + lane * 16, sz + (lane & 15) * 16);
   if constexpr (NB > 0) {
-    cp_rows(base + L::KH + lane * 16, a.kh + kp * a.sKHp + h * a.sKHh + lane * 16,
+    cp_rows(base + L::KH + lane * 16, a.kh + (long long)kp * a.sKHp + h * a.sKHh + lane * 16,
             std::make_integer_sequence<int, NB / 16>{});
-    const uint8_t* kc = a.kc + kp * a.sKCp + h * a.sKCh;
+    const uint8_t* kc = a.kc + (long long)kp * a.sKCp + h * a.sKCh;
     if (lane < NB / 16) cp16(st + L::KC + lane * 16, kc + lane * 16);
   }
+}
+
+// a page's value half: the plane, scales and zeros
+template <int NB>
+__device__ __forceinline__ void issue_values(uint8_t* st, const PageArgs& a, int vp, int h, int lane) {
+  using L = Layout<NB>;
+  const uint32_t base = smem_addr(st);
+  // 16 chunks of 8-byte units (2u, 2u + 1) a row; the swizzle keeps unit pairs together
+  const int r = lane >> 3, c = lane & 7;
+  cp_rows(base + L::VL + vl_off(r, 2 * c), a.vl + (long long)vp * a.sVLp + h * a.sVLh + lane * 16,
+          std::make_integer_sequence<int, 8>{});
+  const uint8_t* sz = reinterpret_cast<const uint8_t*>((lane < 16 ? a.vs : a.vz) + (long long)vp * a.sVSp + h * a.sVSh);
+  cp16_at<0>(base + L::VS + lane * 16, sz + (lane & 15) * 16);  // VZ = VS + 256
 }
 
 // blocks an SM the registers must allow: four at one stage (128 registers a thread; shared memory
@@ -247,12 +258,23 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     kid = a.kt[b * a.sKT + first + lane];
     vid = a.vt[b * a.sVT + first + lane];
   }
-  // first pages in flight before the queries are read
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    const int kp = __shfl_sync(~0u, kid, s), vp = __shfl_sync(~0u, vid, s);
-    if (s < count) issue_page<NB>(stages + s * L::BYTES, a, kp, vp, h, lane);
+  // first pages in flight before the queries are read: at one stage, the first page's key half and
+  // value half as two groups
+  if constexpr (STAGES == 1) {
+    issue_keys<NB>(stages, a, __shfl_sync(~0u, kid, 0), h, lane);
     cp_commit();
+    issue_values<NB>(stages, a, __shfl_sync(~0u, vid, 0), h, lane);
+    cp_commit();
+  } else {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      const int kp = __shfl_sync(~0u, kid, s), vp = __shfl_sync(~0u, vid, s);
+      if (s < count) {
+        issue_keys<NB>(stages + s * L::BYTES, a, kp, h, lane);
+        issue_values<NB>(stages + s * L::BYTES, a, vp, h, lane);
+      }
+      cp_commit();
+    }
   }
   const T* q = reinterpret_cast<const T*>(a.q) + b * a.sQb + (long long)(h * a.rep) * a.sQh;
   for (int i = lane; i < RMAX * D; i += 32) {
@@ -271,14 +293,18 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
   float m0 = __int_as_float(0xff800000), m1 = __int_as_float(0xff800000), l0 = 0.f, l1 = 0.f, z0 = 0.f, z1 = 0.f;
 
   for (int i = 0; i < count; ++i) {
-    // ---- page copies: page i + STAGES - 1 put in flight, page i waited for ----
-    {
+    // ---- page copies: page i + STAGES - 1 put in flight, page i waited for (at one stage: its key
+    // half; its value half may still be in flight) ----
+    if constexpr (STAGES > 1) {
       const int nxt = i + STAGES - 1;
       const int kn = __shfl_sync(~0u, kid, nxt & 31), vn = __shfl_sync(~0u, vid, nxt & 31);
-      if (nxt < count) issue_page<NB>(stages + (nxt % STAGES) * L::BYTES, a, kn, vn, h, lane);
+      if (nxt < count) {
+        issue_keys<NB>(stages + (nxt % STAGES) * L::BYTES, a, kn, h, lane);
+        issue_values<NB>(stages + (nxt % STAGES) * L::BYTES, a, vn, h, lane);
+      }
       cp_commit();
     }
-    cp_wait<STAGES - 1>();
+    cp_wait<1>();
     __syncwarp();
     const uint8_t* st = stages + (i % STAGES) * L::BYTES;
 
@@ -295,8 +321,8 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
       const uint4 q1 = *reinterpret_cast<const uint4*>(qs + g * D + c + 8);
       const uint4 s0 = *reinterpret_cast<const uint4*>(st + L::KS + 2 * c);
       const uint4 s1 = *reinterpret_cast<const uint4*>(st + L::KS + 2 * c + 16);
-      // the A operand of the zero and scale dots: row 0 the key zeros, row 1 the key scales (rows 2-15
-      // repeat them, and their sums are not read)
+      // the A operand of the zero and scale dots: row 0 the key zeros, row 1 the key scales (rows 2-7
+      // repeat them, rows 8-15 are unset, and their sums are not read)
       const uint8_t* ar = st + ((g & 1) ? L::KS : L::KZ) + 2 * c;
       const uint4 a0 = *reinterpret_cast<const uint4*>(ar);
       const uint4 a1 = *reinterpret_cast<const uint4*>(ar + 16);
@@ -310,7 +336,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     // m16n8k16 per 16 channels: thread (0, t) gets the first for heads 2t, 2t + 1, thread (1, t) the second
     float zx[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) mma(zx, aw[2 * j], aw[2 * j], aw[2 * j + 1], aw[2 * j + 1], qw[2 * j], qw[2 * j + 1]);
+    for (int j = 0; j < 8; ++j) mma(zx, aw[2 * j], unset(), aw[2 * j + 1], unset(), qw[2 * j], qw[2 * j + 1]);
     // q x key scale in fp16 pairs (2^-11 relative: 1/16 of the 8-bit step), and its largest magnitude
     __half2 x2[16];
     __half2 amax2 = __float2half2_rn(0.f);
@@ -325,15 +351,16 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     // x / sigma rounded to nearest (even) in one HFMA2 a pair: 1536 + x / sigma lies in [1024, 2048), where
     // fp16's step is 1, and its low mantissa byte is the rounded value in two's complement. sigma is
     // 1 / (the fp16 reciprocal), so that the codes' scale is the one they were rounded with
-    const __half inv = __float2half_rn(amax > 0.f ? 127.f / amax : 0.f);  // rows past the group's heads are zero
-    const float sigma = amax > 0.f ? 1.f / __half2float(inv) : 0.f;
+    // (the approximate divisions, MUFU.RCP: IEEE division's slow path would cost 20 instructions each)
+    const __half inv = __float2half_rn(amax > 0.f ? __fdividef(127.f, amax) : 0.f);  // rows past the group's heads are zero
+    const float sigma = amax > 0.f ? __fdividef(1.f, __half2float(inv)) : 0.f;
     const __half2 inv2 = __half2half2(inv), magic = __float2half2_rn(1536.f);
     uint32_t kb8[8];
     int rsum = 0;  // the thread's rounded queries, summed: with the scale dot, the rounding's error at the codes' mean
 #pragma unroll
     for (int w = 0; w < 8; ++w) {
       const __half2 lo = __hfma2(x2[2 * w], inv2, magic), hi = __hfma2(x2[2 * w + 1], inv2, magic);
-      kb8[w] = __byte_perm(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi), 0x6420);
+      kb8[w] = __byte_perm(half2_bits(lo), half2_bits(hi), 0x6420);
       rsum = __dp4a(int(kb8[w]), 0x01010101, rsum);
     }
     // a score's rounding error is sum_d e_d c_d; its part at the mean code 1.5 is the same for every
@@ -360,7 +387,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
       }
       bamax = fmaxf(bamax, __shfl_xor_sync(~0u, bamax, 1));
       bamax = fmaxf(bamax, __shfl_xor_sync(~0u, bamax, 2));
-      const float binv = bamax > 0.f ? 127.f / bamax : 0.f;
+      const float binv = bamax > 0.f ? __fdividef(127.f, bamax) : 0.f;
       int brsum = 0;
 #pragma unroll
       for (int w = 0; w < NBW; ++w) {
@@ -435,6 +462,15 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
       }
     }
 
+    // ---- page copies, at one stage: page i + 1's key half into the buffer, page i's value half waited for ----
+    if constexpr (STAGES == 1) {
+      __syncwarp();  // every lane is done with the key half
+      if (i + 1 < count) issue_keys<NB>(stages, a, __shfl_sync(~0u, kid, (i + 1) & 31), h, lane);
+      cp_commit();
+      cp_wait<1>();
+      __syncwarp();
+    }
+
     // ---- online softmax (base 2) per head column ----
     float x0 = __int_as_float(0xff800000), x1 = __int_as_float(0xff800000);
 #pragma unroll
@@ -450,15 +486,19 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
       x1 = fmaxf(x1, __shfl_xor_sync(~0u, x1, o));
     }
     const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
-    const float al0 = exp2_ftz(m0 - n0), al1 = exp2_ftz(m1 - n1);
-    m0 = n0; m1 = n1;
-    l0 *= al0; l1 *= al1; z0 *= al0; z1 *= al1;
+    // what was summed so far is rescaled only when a head's max grew (a warp-wide vote: the branch
+    // is uniform), which after a sequence's first pages is seldom; the same numbers either way
+    if (__any_sync(~0u, n0 > m0 || n1 > m1)) {
+      const float al0 = exp2_ftz(m0 - n0), al1 = exp2_ftz(m1 - n1);
+      m0 = n0; m1 = n1;
+      l0 *= al0; l1 *= al1; z0 *= al0; z1 *= al1;
 #pragma unroll
-    for (int i2 = 0; i2 < 4; ++i2)
+      for (int i2 = 0; i2 < 4; ++i2)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        acc[i2][j][0] *= al0; acc[i2][j][1] *= al1; acc[i2][j][2] *= al0; acc[i2][j][3] *= al1;
-      }
+        for (int j = 0; j < 2; ++j) {
+          acc[i2][j][0] *= al0; acc[i2][j][1] *= al1; acc[i2][j][2] *= al0; acc[i2][j][3] *= al1;
+        }
+    }
 
     // ---- values: per token tile (P, jh), the weights as the B operand of 8 channel tiles ----
 #pragma unroll
@@ -475,15 +515,16 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
 #pragma unroll
       for (int jh = 0; jh < 2; ++jh) {
         const int tok = 32 * P + key_row(g, jh, 0);  // this thread's rows g, g + 8: tokens tok, tok + 1
-        const float2 vsc = __half22float2(*reinterpret_cast<const __half2*>(st + L::VS + 2 * tok));
+        const __half2 vsc = *reinterpret_cast<const __half2*>(st + L::VS + 2 * tok);
         const float2 vzr = __half22float2(*reinterpret_cast<const __half2*>(st + L::VZ + 2 * tok));
         const float* c = s[P][jh];
         const float p0 = exp2_ftz(c[0] - n0), p1 = exp2_ftz(c[1] - n1);
         const float p2 = exp2_ftz(c[2] - n0), p3 = exp2_ftz(c[3] - n1);
         l0 += p0 + p2; l1 += p1 + p3;
         z0 += p0 * vzr.x + p2 * vzr.y; z1 += p1 * vzr.x + p3 * vzr.y;
-        const uint32_t b0 = transpose8x8(pack_half2(p0 * vsc.x, p1 * vsc.x));
-        const uint32_t b1 = transpose8x8(pack_half2(p2 * vsc.y, p3 * vsc.y));
+        // the weights x their token's value scale, in fp16 (the B operand's type): one HMUL2 a pair
+        const uint32_t b0 = transpose8x8(half2_bits(__hmul2(__floats2half2_rn(p0, p1), __low2half2(vsc))));
+        const uint32_t b1 = transpose8x8(half2_bits(__hmul2(__floats2half2_rn(p2, p3), __high2half2(vsc))));
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
           const uint32_t w0 = vw[jj][0][jh], w1 = vw[jj][1][jh];
@@ -496,6 +537,12 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
       }
     }
     __syncwarp();  // every lane is done with this stage before a later page's copy lands in it
+
+    // ---- page copies, at one stage: page i + 1's value half into the buffer ----
+    if constexpr (STAGES == 1) {
+      if (i + 1 < count) issue_values<NB>(stages, a, __shfl_sync(~0u, vid, (i + 1) & 31), h, lane);
+      cp_commit();
+    }
   }
   cp_wait<0>();
 
