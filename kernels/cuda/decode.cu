@@ -47,9 +47,10 @@
 //
 // Pipelining: each warp streams its pages through STAGES shared-memory buffers with cp.async
 // (page p + STAGES - 1 is in flight while page p is computed); a page's planes, scales and boost
-// index are one group. With one stage a warp waits for each page's copy, and other warps hide it:
-// the block's smaller footprint (the queries in fp16, 2 KiB a warp, and one page
-// buffer) and 128 registers a thread let four blocks share an SM instead of two (`launch_plan` in
+// index are one group. One stage is one buffer whose halves are pipelined: page p + 1's key half
+// is copied while page p's values are computed, and its value half while its own keys are: two groups
+// a page. The block's smaller footprint (the queries in fp16, 2 KiB a warp, and one page buffer)
+// and 128 registers a thread let four blocks share an SM instead of two (`launch_plan` in
 // `kernels/cuda_decode.py` takes one stage for deep grids only). Shared-memory rows are
 // XOR-swizzled so that the fragment reads hit distinct banks, and a lane's copies of a page share
 // one shared and one global base address a plane, the rest immediate offsets of the instructions.
