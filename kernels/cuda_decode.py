@@ -20,6 +20,7 @@ Importing this module needs neither CUDA nor nvcc.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -95,33 +96,44 @@ def unsupported(head_dim: int, group_size: int, n_boost: int, value_bits: int, r
     return None
 
 
+def extension_name(n_boost: int, stages: int, source: Path | None = None) -> str:
+    """The name a build is cached under: a variant of the kernel's source (`source`, a file of the same
+    interface as SOURCE) gets one of its own from its text, so that it and the shipped kernel load
+    side by side in one process (`bench kernels --cuda --variants`)."""
+    name = f"kitty_pages_nb{n_boost}_s{stages}"
+    if source is None:
+        return name
+    return f"{name}_{hashlib.sha1(Path(source).read_bytes()).hexdigest()[:12]}"
+
+
 @functools.lru_cache(maxsize=None)
-def _build(n_boost: int, stages: int):
-    """The extension for `n_boost` boosted channels and `stages` cp.async stages (built once, then
-    loaded from torch's extension cache)."""
+def _build(n_boost: int, stages: int, source: Path | None = None):
+    """The extension for `n_boost` boosted channels and `stages` cp.async stages, from SOURCE or a
+    variant of it (built once, then loaded from torch's extension cache)."""
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(
-        name=f"kitty_pages_nb{n_boost}_s{stages}",
+        name=extension_name(n_boost, stages, source),
         cpp_sources="int64_t page_partials(std::vector<int64_t> p, std::vector<int64_t> n, double scaling);",
-        cuda_sources=[SOURCE.read_text(), _BINDING],
+        cuda_sources=[Path(source or SOURCE).read_text(), _BINDING],
         functions=["page_partials"],
         extra_cuda_cflags=[*NVCC_FLAGS, f"-DKITTY_NB={n_boost}", f"-DKITTY_STAGES={stages}"],
     )
 
 
 @functools.lru_cache(maxsize=None)
-def build(n_boost: int) -> str | None:
+def build(n_boost: int, source: Path | None = None) -> str | None:
     """Build (or load) the kernel for `n_boost` at both pipeline depths the launch plan picks from, so
     that no build falls inside a CUDA graph's capture; the error's text where that fails, else None.
     Once per process, a failure included: a broken toolchain is not tried again by every cache. The
     two depths build side by side (two nvcc processes; torch locks each build's own directory). A
-    build that ran nvcc (not a load from torch's extension cache) is reported at WARNING, with its time."""
+    build that ran nvcc (not a load from torch's extension cache) is reported at WARNING, with its time.
+    `source`: a variant of the kernel's source instead (`extension_name`)."""
     log.info("loading the CUDA page kernel for %d boosted channels (nvcc builds it on first use)", n_boost)
     start = time.perf_counter()
     try:
         with ThreadPoolExecutor(2) as pool:
-            list(pool.map(functools.partial(_build, n_boost), (1, 2)))
+            list(pool.map(functools.partial(_build, n_boost, source=source), (1, 2)))
     except Exception as e:  # noqa: BLE001 - any toolchain failure means: use Triton
         return f"the CUDA build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
     took = time.perf_counter() - start
@@ -152,7 +164,8 @@ def pool_layout(k_pages: dict, v_pages: dict) -> bool:
 
 def page_partials(q: torch.Tensor, k_pages: dict, v_pages: dict, k_table: torch.Tensor, v_table: torch.Tensor,
                   n_vpages: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, *, rep: int,
-                  first_chunk: int, pages_per_program: int, chunks: int, scaling: float, stages: int = 2) -> None:
+                  first_chunk: int, pages_per_program: int, chunks: int, scaling: float, stages: int = 2,
+                  source: Path | None = None) -> None:
     """Launch the page kernel on the current stream: program (sequence, KV head, c) for c < `chunks`
     attends query heads [B, h*rep .. (h+1)*rep) of q [B, Hq, D] to its share of the n = n_vpages[b]
     packed slots, split evenly over the chunks (slots c*k .. (c+1)*k - 1 below n, k = ceil(n / chunks)),
@@ -160,7 +173,8 @@ def page_partials(q: torch.Tensor, k_pages: dict, v_pages: dict, k_table: torch.
     The caller sizes `chunks` at ceil(slots / `pages_per_program`) for slots >= every n (as
     `decode_attention` and `DecodeStep` do), so that no program takes more than `pages_per_program`
     <= 32: a warp holds its run's page ids one a lane. k_pages / v_pages: the pools' field tensors
-    (dense, high, boost_ch, scale, zero / low, scale, zero), tables [B, width] and counts [B] int32."""
+    (dense, high, boost_ch, scale, zero / low, scale, zero), tables [B, width] and counts [B] int32.
+    `source`: a variant of the kernel's source, built by `build(n_boost, source)` first."""
     kd, kh, kc, ks, kz = (k_pages[f] for f in ("dense", "high", "boost_ch", "scale", "zero"))
     vl, vs, vz = (v_pages[f] for f in ("low", "scale", "zero"))
     nb = kh.shape[2]
@@ -185,7 +199,7 @@ def page_partials(q: torch.Tensor, k_pages: dict, v_pages: dict, k_table: torch.
     page_strides = (kd.stride(0), kh.stride(0), kc.stride(0), ks.stride(0), vl.stride(0), vs.stride(0))
     if max(page_strides) >= 2**31:  # the kernel takes them as int (one IMAD.WIDE a page id)
         raise ValueError(f"a page's stride in a pool must be below 2^31 elements, got {max(page_strides)}")
-    ext = _build(nb, stages)
+    ext = _build(nb, stages, source)
     ptrs = [q.data_ptr(), kd.data_ptr(), kh.data_ptr() if nb else kd.data_ptr(), kc.data_ptr() if nb else kd.data_ptr(),
             ks.data_ptr(), kz.data_ptr(), vl.data_ptr(), vs.data_ptr(), vz.data_ptr(), k_table.data_ptr(),
             v_table.data_ptr(), n_vpages.data_ptr(), m.data_ptr(), l.data_ptr(), acc.data_ptr(),
@@ -223,10 +237,11 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                      state: dict | None = None, pages_per_program: int | None = None,
-                     new: tuple | None = None, stages: int | None = None) -> torch.Tensor:
+                     new: tuple | None = None, stages: int | None = None, source: Path | None = None) -> torch.Tensor:
     """`kernels.decode.decode_attention` with its page launch done by the CUDA kernel: the Triton tail
     (on a second stream) and combine as they are. Pages per program and stages from `launch_plan`
-    unless given. The caller checks `unsupported` first."""
+    unless given; `source`: a variant of the kernel's source to build and launch instead. The caller
+    checks `unsupported` first."""
     from .decode import decode_launches
 
     st = state if state is not None else layer.kernel_state()
@@ -243,7 +258,7 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     if pool_layout(st["k_pages"], st["v_pages"]):
         page_partials(query[:, :, 0], st["k_pages"], st["v_pages"], st["k_table"], st["v_table"], st["n_vpages"],
                       m, l, acc, rep=hq // layer.heads, first_chunk=first, pages_per_program=ppp, chunks=chunks,
-                      scaling=scaling, stages=stages or planned)
+                      scaling=scaling, stages=stages or planned, source=source)
     else:  # a layer with no pages yet holds a stand-in page, not the pool's layout: Triton's launch
         kernel, grid, pargs, options = pages
         kernel[grid](*pargs, **options)

@@ -69,6 +69,9 @@ def arguments():
     k.add_argument("--launch-once", action="store_true", help="with --cuda: instead, launch each setting's CUDA "
                    "step once, untimed, with no other page kernel: for Nsight Compute, e.g. ncu --kernel-name "
                    "regex:pages_kernel --set full -o pages python -m kitty_core.bench kernels --cuda --launch-once ...")
+    k.add_argument("--variants", default=None, help="with --cuda: also the CUDA page kernel built from these "
+                   "variants of kernels/cuda/decode.cu (.cu files, comma-separated), each setting of each timed in "
+                   "the same rounds as the shipped kernel's and named in a source column: an A/B in one process")
     k.add_argument("--grid-tokens", type=count(1), default=None, help="with --cuda: size the page kernels' grids "
                    "for sequences of this many tokens, as a CUDA graph's step over a cache of that capacity "
                    "(default: each shape's length)")
@@ -139,6 +142,13 @@ def refusal(a) -> str | None:
         return "--launch-once launches the CUDA page kernel: give it with --cuda"
     if getattr(a, "launch_once", False) and a.out:
         return "--launch-once times nothing and writes no table: drop --out"
+    variants = getattr(a, "variants", None)
+    if variants:
+        if not a.cuda:
+            return "--variants are variants of the CUDA page kernel: give them with --cuda"
+        missing = [v for v in variants.split(",") if not Path(v).is_file()]
+        if missing:
+            return f"no file {', '.join(missing)} (--variants takes .cu files of kernels/cuda/decode.cu's interface)"
     grid = getattr(a, "grid_tokens", None)
     if grid is not None:
         if not a.cuda:
@@ -396,14 +406,15 @@ def run_kernels(a) -> int:
     if a.cuda:
         ppps = [int(x) for x in a.ppp.split(",")] if a.ppp else [None]
         stages = [int(x) for x in a.stages.split(",")] if a.stages else [None]
+        sources = (None, *(Path(v) for v in a.variants.split(","))) if a.variants else (None,)
         if a.launch_once:
             launches = launch_cuda_once(shapes, [float(x) for x in a.boost.split(",")], ppps, stages,
-                                        grid_tokens=a.grid_tokens)
+                                        grid_tokens=a.grid_tokens, sources=sources)
             print(launches.to_string(index=False), flush=True)
             return 0
         with progress_bar("kernels", "setting") as progress:
             df = bench_cuda(shapes, [float(x) for x in a.boost.split(",")], ppps, stages,
-                            grid_tokens=a.grid_tokens, progress=progress)
+                            grid_tokens=a.grid_tokens, progress=progress, sources=sources)
         if a.out:
             write_csv(a.out, df.assign(device=torch.cuda.get_device_name(), torch=torch.__version__))
         return 0

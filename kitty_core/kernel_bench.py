@@ -14,6 +14,8 @@ query heads, 8 KV heads, head size 128, bf16).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import torch
 import torch.nn.functional as F
@@ -166,14 +168,21 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
     return pd.DataFrame(rows)
 
 
-def _cuda_kernel_for(layer: KittyLayer, q_heads: int, kv_heads: int, head_dim: int, dtype, device) -> None:
-    """Build (or load) the CUDA page kernel for `layer`; raises where it does not apply."""
+def _cuda_kernel_for(layer: KittyLayer, q_heads: int, kv_heads: int, head_dim: int, dtype, device,
+                     source: Path | None = None) -> None:
+    """Build (or load) the CUDA page kernel for `layer` (from `source`, a variant of its source, if
+    given); raises where it does not apply."""
     from kernels import cuda_decode
 
     why = cuda_decode.unsupported(head_dim, layer.config.group_size, layer.n_boost, layer.config.value_bits,
-                                  q_heads // kv_heads, dtype, device) or cuda_decode.build(layer.n_boost)
+                                  q_heads // kv_heads, dtype, device) or cuda_decode.build(layer.n_boost, source)
     if why:
-        raise RuntimeError(f"the CUDA page kernel does not apply: {why}")
+        raise RuntimeError(f"the CUDA page kernel does not apply{f' ({source})' if source else ''}: {why}")
+
+
+def source_name(source: Path | None) -> str:
+    """A `source` column's entry: the variant's path, or the shipped kernel's."""
+    return str(source) if source is not None else "kernels/cuda/decode.cu"
 
 
 def _cuda_launch(batch: int, kv_heads: int, state: dict, ppp: int | None, stages: int | None) -> dict:
@@ -188,7 +197,7 @@ def _cuda_launch(batch: int, kv_heads: int, state: dict, ppp: int | None, stages
 
 
 def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_heads=32, kv_heads=8, head_dim=128,
-               dtype=torch.bfloat16, rounds=5, grid_tokens=None, progress=None) -> pd.DataFrame:
+               dtype=torch.bfloat16, rounds=5, grid_tokens=None, progress=None, sources=(None,)) -> pd.DataFrame:
     """Per shape and boost rate: the fused step with the CUDA page kernel (`kernels.cuda_decode`, per
     pages-per-program and cp.async-stages setting, None: the launch plan's), the Triton fused step
     and SDPA on an FP16 cache forced to cuDNN, as CUDA-graph replays timed in `rounds` interleaved
@@ -198,7 +207,8 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
     (`KittyLayer.capacity_slots`; None: for the shape's length). cuDNN reads the shape's length.
     Beside them, the tail kernel alone (the FP16 sink, q-buffer and value window, which runs beside
     either page kernel) and the FP16 parts' bytes: its share of the step's time against their share
-    of the step's bytes."""
+    of the step's bytes. `sources`: the CUDA kernel built from each (None: the shipped source; a
+    path: a variant of it), every setting of each timed in the same rounds, named in `source`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kernels import cuda_decode
@@ -215,10 +225,12 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
         cudnn_g = graphed(cudnn)
         for boost in boosts:
             if progress:
-                progress(len(rows), len(shapes) * len(boosts), f"{batch}x{length}, boost {boost:g}")
+                settings = len(sources) * len(pages_per_program) * len(stages)
+                progress(len(rows) // settings, len(shapes) * len(boosts), f"{batch}x{length}, boost {boost:g}")
             layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
             state = grid_state(layer, grid_tokens)
-            _cuda_kernel_for(layer, q_heads, kv_heads, head_dim, dtype, q.device)
+            for src in sources:
+                _cuda_kernel_for(layer, q_heads, kv_heads, head_dim, dtype, q.device, src)
             ref = decode_attention_reference(layer, q, scale).float()
             ws_t = {}
             triton = lambda: decode_attention(layer, q, scale, ws_t, state)  # noqa: E731
@@ -226,13 +238,13 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
             tail_k, tail_grid, tail_args, tail_opts = decode_launches(layer, q, scale, {}, state)[0][0]
             tail = lambda: tail_k[tail_grid](*tail_args, **tail_opts)  # noqa: E731
             fns = {"triton": graphed(triton), "cudnn": cudnn_g, "tail": graphed(tail)}
-            errs, variants = {}, [(ppp, st) for ppp in pages_per_program for st in stages]
-            for ppp, st in variants:
+            errs, variants = {}, [(src, ppp, st) for src in sources for ppp in pages_per_program for st in stages]
+            for src, ppp, st in variants:
                 ws = {}
-                fn = lambda ws=ws, ppp=ppp, st=st: cuda_decode.decode_attention(  # noqa: E731
-                    layer, q, scale, ws, state, ppp, stages=st)
-                errs[ppp, st] = (fn().float() - ref).abs().max().item()
-                fns[ppp, st] = graphed(fn)
+                fn = lambda ws=ws, src=src, ppp=ppp, st=st: cuda_decode.decode_attention(  # noqa: E731
+                    layer, q, scale, ws, state, ppp, stages=st, source=src)
+                errs[src, ppp, st] = (fn().float() - ref).abs().max().item()
+                fns[src, ppp, st] = graphed(fn)
             times = {name: [] for name in fns}
             for _ in range(rounds):
                 for name, g in fns.items():
@@ -241,19 +253,20 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
             parts = layer.nbytes()
             read = sum(parts.values()) + q.numel() * q.element_size()
             fp16 = sum(parts[name] for name in FP16_PARTS)
-            for ppp, st in variants:
-                launch = _cuda_launch(batch, kv_heads, state, ppp, st)
+            for src, ppp, st in variants:
+                launch, t = _cuda_launch(batch, kv_heads, state, ppp, st), ms[src, ppp, st]
                 rows.append({
                     "batch": batch, "length": length, "grid_tokens": grid_tokens or length, "boost_rate": boost,
                     "ppp": launch["ppp"], "stages": launch["stages"],
-                    "cuda_ms": ms[ppp, st], "triton_ms": ms["triton"], "cudnn_ms": ms["cudnn"],
-                    "cuda_vs_cudnn": ms["cudnn"] / ms[ppp, st], "triton_vs_cudnn": ms["cudnn"] / ms["triton"],
-                    "cuda_vs_triton": ms["triton"] / ms[ppp, st], "packed_bytes": read,
-                    "cuda_TBps": read / ms[ppp, st] / 1e9, "triton_TBps": read / ms["triton"] / 1e9,
+                    "cuda_ms": t, "triton_ms": ms["triton"], "cudnn_ms": ms["cudnn"],
+                    "cuda_vs_cudnn": ms["cudnn"] / t, "triton_vs_cudnn": ms["cudnn"] / ms["triton"],
+                    "cuda_vs_triton": ms["triton"] / t, "packed_bytes": read,
+                    "cuda_TBps": read / t / 1e9, "triton_TBps": read / ms["triton"] / 1e9,
                     "cudnn_TBps": 2 * k16.numel() * k16.element_size() / ms["cudnn"] / 1e9,
-                    "tail_ms": ms["tail"], "tail_time_share": ms["tail"] / ms[ppp, st],
+                    "tail_ms": ms["tail"], "tail_time_share": ms["tail"] / t,
                     "fp16_bytes": fp16, "fp16_byte_share": fp16 / read,
-                    "cuda_max_abs_err": errs[ppp, st], "triton_max_abs_err": err_t,
+                    "cuda_max_abs_err": errs[src, ppp, st], "triton_max_abs_err": err_t,
+                    **({"source": source_name(src)} if any(sources) else {}),
                 })
                 print(pd.DataFrame(rows[-1:]).to_string(index=False, header=len(rows) == 1,
                                                         float_format=lambda x: f"{x:.3f}"), flush=True)
@@ -264,11 +277,12 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
 
 
 def launch_cuda_once(shapes, boosts, pages_per_program=(None,), stages=(None,), q_heads=32, kv_heads=8,
-                     head_dim=128, dtype=torch.bfloat16, grid_tokens=None) -> pd.DataFrame:
+                     head_dim=128, dtype=torch.bfloat16, grid_tokens=None, sources=(None,)) -> pd.DataFrame:
     """Per shape, boost rate and launch setting: the fused step with the CUDA page kernel launched
     once, eagerly and untimed, and nothing else that reads pages (no Triton page kernel, no cuDNN):
     a process for a profiler to attach to, `ncu --kernel-name regex:pages_kernel ...` (`docs/engine.md`).
-    Returns the launches (shape, boost, pages per program, stages, programs)."""
+    `sources`: as for `bench_cuda`. Returns the launches (shape, boost, pages per program, stages,
+    programs, and the source where variants are given)."""
     from kernels import cuda_decode
 
     rows = []
@@ -276,13 +290,15 @@ def launch_cuda_once(shapes, boosts, pages_per_program=(None,), stages=(None,), 
         for boost in boosts:
             layer, q, scale = packed_step((batch, length), boost, q_heads, kv_heads, head_dim, dtype)
             state = grid_state(layer, grid_tokens)
-            _cuda_kernel_for(layer, q_heads, kv_heads, head_dim, dtype, q.device)
-            for ppp in pages_per_program:
-                for st in stages:
-                    cuda_decode.decode_attention(layer, q, scale, {}, state, ppp, stages=st)
-                    torch.cuda.synchronize()
-                    rows.append({"batch": batch, "length": length, "grid_tokens": grid_tokens or length,
-                                 "boost_rate": boost, **_cuda_launch(batch, kv_heads, state, ppp, st)})
+            for src in sources:
+                _cuda_kernel_for(layer, q_heads, kv_heads, head_dim, dtype, q.device, src)
+                for ppp in pages_per_program:
+                    for st in stages:
+                        cuda_decode.decode_attention(layer, q, scale, {}, state, ppp, stages=st, source=src)
+                        torch.cuda.synchronize()
+                        rows.append({"batch": batch, "length": length, "grid_tokens": grid_tokens or length,
+                                     "boost_rate": boost, **_cuda_launch(batch, kv_heads, state, ppp, st),
+                                     **({"source": source_name(src)} if any(sources) else {})})
             del layer, state, q
             torch.cuda.empty_cache()
     return pd.DataFrame(rows)

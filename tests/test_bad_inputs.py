@@ -49,6 +49,15 @@ def test_a_kernel_grid_narrower_than_the_shapes_is_refused_before_any_kernel(cap
     assert "--launch-once times nothing and writes no table: drop --out" in capsys.readouterr().err
 
 
+def test_kernel_variants_must_be_files_and_go_with_cuda(tmp_path, capsys):
+    variant = tmp_path / "decode_variant.cu"
+    variant.write_text("// a variant\n")
+    assert bench.main(["kernels", "--variants", str(variant)]) == 2
+    assert "--variants are variants of the CUDA page kernel: give them with --cuda" in capsys.readouterr().err
+    assert bench.main(["kernels", "--cuda", "--variants", f"{variant},{tmp_path / 'nope.cu'}"]) == 2
+    assert f"no file {tmp_path / 'nope.cu'} (--variants takes .cu files" in capsys.readouterr().err
+
+
 def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

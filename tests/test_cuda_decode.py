@@ -142,6 +142,22 @@ def test_a_launch_for_a_profiler_runs_the_cuda_page_kernel_and_no_other_page_ker
     assert (launches["programs"] > 0).all()
 
 
+@pytest.mark.gpu
+def test_the_kernel_benchmark_runs_a_variant_beside_the_shipped_kernel(tmp_path):
+    """`bench kernels --cuda --variants`: a variant's rows beside the shipped kernel's, named by their
+    source. A variant that differs by a comment computes the same outputs, so the same errors."""
+    from kitty_core.kernel_bench import bench_cuda, launch_cuda_once
+
+    variant = tmp_path / "decode_variant.cu"
+    variant.write_text(cuda_decode.SOURCE.read_text() + "\n// a variant\n")
+    df = bench_cuda([(2, 2000)], [0.25], stages=(1, 2), rounds=1, sources=(None, variant))
+    assert df["source"].tolist() == ["kernels/cuda/decode.cu"] * 2 + [str(variant)] * 2
+    assert df["stages"].tolist() == [1, 2, 1, 2] and (df["cuda_ms"] > 0).all()
+    assert df["cuda_max_abs_err"].tolist()[:2] == df["cuda_max_abs_err"].tolist()[2:]
+    once = launch_cuda_once([(2, 2000)], [0.25], sources=(None, variant))
+    assert once["source"].tolist() == ["kernels/cuda/decode.cu", str(variant)]
+
+
 def test_unsupported_says_why_without_a_gpu_or_for_other_shapes():
     cpu = torch.device("cpu")
     assert cuda_decode.unsupported(D, G, 32, 2, 4, torch.bfloat16, cpu) == "no CUDA device"
@@ -160,11 +176,11 @@ def test_a_build_takes_both_depths_side_by_side_once_per_process(monkeypatch):
 
     calls, both = [], threading.Barrier(2, timeout=10)
 
-    def side_by_side(n_boost, stages):
+    def side_by_side(n_boost, stages, source=None):
         calls.append((n_boost, stages))
         both.wait()
 
-    def broken(n_boost, stages):
+    def broken(n_boost, stages, source=None):
         raise RuntimeError("nvcc fatal: unsupported architecture\n")
 
     cuda_decode.build.cache_clear()
@@ -177,6 +193,36 @@ def test_a_build_takes_both_depths_side_by_side_once_per_process(monkeypatch):
         assert why == "the CUDA build failed: nvcc fatal: unsupported architecture"
         monkeypatch.setattr(cuda_decode, "_build", side_by_side)
         assert cuda_decode.build(64) == why and len(calls) == 2
+    finally:
+        cuda_decode.build.cache_clear()
+
+
+def test_a_variant_of_the_kernel_builds_beside_the_shipped_one(tmp_path, monkeypatch):
+    """A variant of the kernel's source (`bench kernels --cuda --variants`) is compiled from its own
+    text under a name of its own, which changes with that text, so that it and the shipped kernel
+    load side by side in one process; `build` makes both depths of it."""
+    import torch.utils.cpp_extension as ext
+
+    variant = tmp_path / "decode_variant.cu"
+    variant.write_text(cuda_decode.SOURCE.read_text() + "\n// a variant\n")
+    compiled = []
+    monkeypatch.setattr(ext, "load_inline", lambda **kw: compiled.append(kw) or kw["name"])
+    shipped = cuda_decode._build.__wrapped__(32, 1)
+    mine = cuda_decode._build.__wrapped__(32, 1, variant)
+    assert shipped == "kitty_pages_nb32_s1" and mine.startswith("kitty_pages_nb32_s1_") and mine != shipped
+    assert compiled[0]["cuda_sources"][0] == cuda_decode.SOURCE.read_text()
+    assert compiled[1]["cuda_sources"][0].endswith("// a variant\n")
+    assert compiled[1]["extra_cuda_cflags"] == compiled[0]["extra_cuda_cflags"]
+    assert cuda_decode.extension_name(32, 1, variant) == mine
+    variant.write_text(variant.read_text() + "// changed\n")
+    assert cuda_decode.extension_name(32, 1, variant) != mine
+
+    built = []
+    monkeypatch.setattr(cuda_decode, "_build", lambda n, st, source=None: built.append((n, st, source)))
+    cuda_decode.build.cache_clear()
+    try:
+        assert cuda_decode.build(32, variant) is None
+        assert sorted(built, key=lambda b: b[1]) == [(32, 1, variant), (32, 2, variant)]
     finally:
         cuda_decode.build.cache_clear()
 
