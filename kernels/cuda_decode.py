@@ -133,7 +133,7 @@ def build(n_boost: int, source: Path | None = None) -> str | None:
     start = time.perf_counter()
     try:
         with ThreadPoolExecutor(2) as pool:
-            list(pool.map(functools.partial(_build, n_boost, source=source), (1, 2)))
+            list(pool.map(lambda stages: _build(n_boost, stages, source), (1, 2)))  # as page_partials calls it
     except Exception as e:  # noqa: BLE001 - any toolchain failure means: use Triton
         return f"the CUDA build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
     took = time.perf_counter() - start

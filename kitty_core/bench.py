@@ -133,6 +133,11 @@ def arguments():
     return p
 
 
+def variant_files(variants: str) -> list[Path]:
+    """The files of `--variants` (comma-separated, empty entries skipped)."""
+    return [Path(v.strip()) for v in variants.split(",") if v.strip()]
+
+
 def refusal(a) -> str | None:
     """What the command line asks that this process cannot do, known before torch loads."""
     if getattr(a, "tp", False) and not all(v in os.environ for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
@@ -142,13 +147,17 @@ def refusal(a) -> str | None:
         return "--launch-once launches the CUDA page kernel: give it with --cuda"
     if getattr(a, "launch_once", False) and a.out:
         return "--launch-once times nothing and writes no table: drop --out"
-    variants = getattr(a, "variants", None)
-    if variants:
+    if getattr(a, "variants", None) is not None:
         if not a.cuda:
             return "--variants are variants of the CUDA page kernel: give them with --cuda"
-        missing = [v for v in variants.split(",") if not Path(v).is_file()]
-        if missing:
-            return f"no file {', '.join(missing)} (--variants takes .cu files of kernels/cuda/decode.cu's interface)"
+        files = variant_files(a.variants)
+        missing = [str(f) for f in files if not f.is_file()]
+        if not files or missing:
+            return (f"no file {', '.join(missing) or repr(a.variants)} (--variants takes .cu files of "
+                    "kernels/cuda/decode.cu's interface, comma-separated)")
+        shipped = Path(__file__).resolve().parents[1] / "kernels" / "cuda" / "decode.cu"
+        if len({f.resolve() for f in files} | {shipped}) != len(files) + 1:
+            return "--variants names a file twice, or the shipped kernel (timed anyway): give each variant once"
     grid = getattr(a, "grid_tokens", None)
     if grid is not None:
         if not a.cuda:
@@ -406,7 +415,7 @@ def run_kernels(a) -> int:
     if a.cuda:
         ppps = [int(x) for x in a.ppp.split(",")] if a.ppp else [None]
         stages = [int(x) for x in a.stages.split(",")] if a.stages else [None]
-        sources = (None, *(Path(v) for v in a.variants.split(","))) if a.variants else (None,)
+        sources = (None, *variant_files(a.variants)) if a.variants else (None,)
         if a.launch_once:
             launches = launch_cuda_once(shapes, [float(x) for x in a.boost.split(",")], ppps, stages,
                                         grid_tokens=a.grid_tokens, sources=sources)

@@ -56,6 +56,11 @@ def test_kernel_variants_must_be_files_and_go_with_cuda(tmp_path, capsys):
     assert "--variants are variants of the CUDA page kernel: give them with --cuda" in capsys.readouterr().err
     assert bench.main(["kernels", "--cuda", "--variants", f"{variant},{tmp_path / 'nope.cu'}"]) == 2
     assert f"no file {tmp_path / 'nope.cu'} (--variants takes .cu files" in capsys.readouterr().err
+    assert bench.main(["kernels", "--cuda", "--variants", ","]) == 2
+    assert "no file ',' (--variants takes .cu files" in capsys.readouterr().err
+    for twice in (f"{variant},{variant}", f"{variant},kernels/cuda/decode.cu"):
+        assert bench.main(["kernels", "--cuda", "--variants", twice]) == 2
+        assert "names a file twice, or the shipped kernel" in capsys.readouterr().err
 
 
 def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys):

@@ -28,8 +28,8 @@
 // The rounding is done in fp16 pairs: the queries are staged in fp16 (bf16 ones converted, exact
 // within fp16's range, which real queries and q x key scale stay far inside), q x key scale is one
 // HMUL2 a pair (2^-11 relative, a sixteenth of the 8-bit step) and its rounding one HFMA2 a pair; the
-// zero term's dots (q . key zeros, and q . key scales for the rounding error) are exact on the tensor
-// cores, one m16n8k16 per 16 channels. Against fp32 preparation that is 14% fewer instructions a page
+// zero term's dots (q . key zeros, and q . key scales for the rounding error) are fp16 products, exact,
+// summed in fp32 on the tensor cores, one m16n8k16 per 16 channels. Against fp32 preparation that is 14% fewer instructions a page
 // (`python -m kitty_core.compile --cuda --parts`) and 3-8% less time on one H200.
 // A score tile's accumulator is an 8x8 matrix pair in the fragment layout; `movmatrix.trans` turns
 // it into the B operand of the value MMA (head = lane / 4), so the weights never leave registers.
@@ -219,6 +219,13 @@ __device__ __forceinline__ void issue_values(uint8_t* st, const PageArgs& a, int
   cp16_at<0>(base + L::VS + lane * 16, sz + (lane & 15) * 16);  // VZ = VS + 256
 }
 
+// a whole page: both halves, one group (at two stages)
+template <int NB>
+__device__ __forceinline__ void issue_page(uint8_t* st, const PageArgs& a, int kp, int vp, int h, int lane) {
+  issue_keys<NB>(st, a, kp, h, lane);
+  issue_values<NB>(st, a, vp, h, lane);
+}
+
 // blocks an SM the registers must allow: four at one stage (128 registers a thread; shared memory
 // holds four at every boosted-channel count), two at two stages (shared memory's limit)
 template <int STAGES> constexpr int min_blocks() { return STAGES == 1 ? 4 : 2; }
@@ -230,6 +237,7 @@ __host__ __device__ constexpr int warp_bytes() { return RMAX * D * 2 + STAGES * 
 
 template <typename T, int NB, int STAGES>
 __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const PageArgs a) {
+  static_assert(STAGES == 1 || STAGES == 2, "the waits below count the groups of one or two stages");
   using L = Layout<NB>;
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -270,10 +278,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
       const int kp = __shfl_sync(~0u, kid, s), vp = __shfl_sync(~0u, vid, s);
-      if (s < count) {
-        issue_keys<NB>(stages + s * L::BYTES, a, kp, h, lane);
-        issue_values<NB>(stages + s * L::BYTES, a, vp, h, lane);
-      }
+      if (s < count) issue_page<NB>(stages + s * L::BYTES, a, kp, vp, h, lane);
       cp_commit();
     }
   }
@@ -299,13 +304,10 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     if constexpr (STAGES > 1) {
       const int nxt = i + STAGES - 1;
       const int kn = __shfl_sync(~0u, kid, nxt & 31), vn = __shfl_sync(~0u, vid, nxt & 31);
-      if (nxt < count) {
-        issue_keys<NB>(stages + (nxt % STAGES) * L::BYTES, a, kn, h, lane);
-        issue_values<NB>(stages + (nxt % STAGES) * L::BYTES, a, vn, h, lane);
-      }
+      if (nxt < count) issue_page<NB>(stages + (nxt % STAGES) * L::BYTES, a, kn, vn, h, lane);
       cp_commit();
     }
-    cp_wait<1>();
+    cp_wait<1>();  // at two stages: all but the page just issued; at one: all but page i's value half
     __syncwarp();
     const uint8_t* st = stages + (i % STAGES) * L::BYTES;
 
@@ -333,11 +335,11 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
 #pragma unroll
       for (int k = 0; k < 8; ++k) { qw[8 * v + k] = qv[k]; sw[8 * v + k] = sv[k]; aw[8 * v + k] = av[k]; }
     }
-    // the zero term's dots sum_d q_d z_d and sum_d q_d s_d, exact (fp16 products, fp32 sums), one
+    // the zero term's dots sum_d q_d z_d and sum_d q_d s_d (exact fp16 products, summed in fp32), one
     // m16n8k16 per 16 channels: thread (0, t) gets the first for heads 2t, 2t + 1, thread (1, t) the second
-    float zx[4] = {0.f, 0.f, 0.f, 0.f};
+    float dots[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) mma(zx, aw[2 * j], unset(), aw[2 * j + 1], unset(), qw[2 * j], qw[2 * j + 1]);
+    for (int j = 0; j < 8; ++j) mma(dots, aw[2 * j], unset(), aw[2 * j + 1], unset(), qw[2 * j], qw[2 * j + 1]);
     // q x key scale in fp16 pairs (2^-11 relative: 1/16 of the 8-bit step), and its largest magnitude
     __half2 x2[16];
     __half2 amax2 = __float2half2_rn(0.f);
@@ -353,7 +355,9 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     // fp16's step is 1, and its low mantissa byte is the rounded value in two's complement. sigma is
     // 1 / (the fp16 reciprocal), so that the codes' scale is the one they were rounded with
     // (the approximate divisions, MUFU.RCP: IEEE division's slow path would cost 20 instructions each)
-    const __half inv = __float2half_rn(amax > 0.f ? __fdividef(127.f, amax) : 0.f);  // rows past the group's heads are zero
+    // (the reciprocal held to fp16's largest, 65504: below a largest magnitude of 127 / 65504 the
+    // queries keep fewer than 127 steps, each of 1 / 65504)
+    const __half inv = __float2half_rn(amax > 0.f ? fminf(__fdividef(127.f, amax), 65504.f) : 0.f);  // rows past the group's heads are zero
     const float sigma = amax > 0.f ? __fdividef(1.f, __half2float(inv)) : 0.f;
     const __half2 inv2 = __half2half2(inv), magic = __float2half2_rn(1536.f);
     uint32_t kb8[8];
@@ -401,9 +405,9 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     rerr += __shfl_xor_sync(~0u, rerr, 2);
     // the zero term of heads 2t and 2t + 1 (this thread's score columns)
     const float e0 = __shfl_sync(~0u, rerr, 8 * t), e1 = __shfl_sync(~0u, rerr, 8 * t + 4);
-    const float qz0 = __shfl_sync(~0u, zx[0], t), qz1 = __shfl_sync(~0u, zx[1], t);
-    const float qs0 = __shfl_sync(~0u, zx[0], 4 + t), qs1 = __shfl_sync(~0u, zx[1], 4 + t);
-    const float zero0 = (qz0 + 1.5f * qs0 - e0) * a.scaling, zero1 = (qz1 + 1.5f * qs1 - e1) * a.scaling;
+    const float qz0 = __shfl_sync(~0u, dots[0], t), qz1 = __shfl_sync(~0u, dots[1], t);
+    const float qsc0 = __shfl_sync(~0u, dots[0], 4 + t), qsc1 = __shfl_sync(~0u, dots[1], 4 + t);
+    const float zero0 = (qz0 + 1.5f * qsc0 - e0) * a.scaling, zero1 = (qz1 + 1.5f * qsc1 - e1) * a.scaling;
     const float sig = sigma * a.scaling;
     const float sig0 = __shfl_sync(~0u, sig, 8 * t), sig1 = __shfl_sync(~0u, sig, 8 * t + 4);
     const float bsig = bamax * (4.f / 127.f) * a.scaling;  // x 4: the high codes' weight
