@@ -62,6 +62,10 @@
 #include <utility>
 
 namespace kitty {
+// internal linkage: the launch's per-device state (and every symbol) stays this build's own, also
+// where a variant of this file is loaded beside it in one process (GCC makes a template's static
+// locals process-wide unique symbols otherwise)
+namespace {
 
 constexpr int D = 128;
 constexpr int RMAX = 8;  // query heads per KV head the n = 8 tile takes
@@ -119,14 +123,6 @@ __device__ __forceinline__ void mma_u8s8(int (&c)[4], uint32_t a0, uint32_t a1, 
       "{%0,%1,%2,%3};\n"
       : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// four floats in [-127.5, 127.5] rounded to nearest (even) signed bytes, packed low to high: x + 1.5 x 2^23
-// leaves the integer in the low mantissa bits (two's complement in its low byte)
-__device__ __forceinline__ uint32_t round_s8x4(float a, float b, float c, float d) {
-  const uint32_t ia = __float_as_uint(a + 12582912.f), ib = __float_as_uint(b + 12582912.f);
-  const uint32_t ic = __float_as_uint(c + 12582912.f), id = __float_as_uint(d + 12582912.f);
-  return __byte_perm(__byte_perm(ia, ib, 0x0040), __byte_perm(ic, id, 0x0040), 0x5410);
 }
 
 __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
@@ -373,33 +369,43 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     float rerr = 1.5f * float(rsum) * sigma;
     constexpr int NBW = NB / 16;  // a thread's words of the high plane a row (NB / 4 bytes)
     uint32_t hb8[NBW > 0 ? NBW : 1];
-    float bamax = 0.f;
+    float bsigma = 0.f;  // the boosted queries' step
     if constexpr (NB > 0) {
       // the boosted channels' high codes, on a scale of their own: a boosted channel's key scale is
-      // about a fifth of a 2-bit one's, so on the dense scale its queries would keep few levels
-      float xb[NBW][4], bsum = 0.f;
+      // about a fifth of a 2-bit one's, so on the dense scale its queries would keep few levels. The
+      // thread's NB / 4 channels (its high-plane bytes of a row) are gathered two at a time into fp16
+      // pairs and rounded as the dense ones are
+      __half2 xb[2 * NBW];
+      __half2 bmax2 = __float2half2_rn(0.f), bsum2 = __float2half2_rn(0.f);
+      const half* kscale = reinterpret_cast<const half*>(st + L::KS);
 #pragma unroll
       for (int w = 0; w < NBW; ++w) {
         const uint32_t chs = *reinterpret_cast<const uint32_t*>(st + L::KC + t * (NB / 4) + 4 * w);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int ch = (chs >> (8 * j)) & 0xff;
-          const float sc = __half2float(*reinterpret_cast<const half*>(st + L::KS + 2 * ch));
-          xb[w][j] = __half2float(qs[g * D + ch]) * sc;
-          bamax = fmaxf(bamax, fabsf(xb[w][j]));
-          bsum += xb[w][j];
+        for (int j = 0; j < 2; ++j) {
+          const int c0 = (chs >> (16 * j)) & 0xff, c1 = (chs >> (16 * j + 8)) & 0xff;
+          const __half2 x = __hmul2(__halves2half2(qs[g * D + c0], qs[g * D + c1]),
+                                    __halves2half2(kscale[c0], kscale[c1]));
+          xb[2 * w + j] = x;
+          bmax2 = __hmax2(bmax2, __habs2(x));
+          bsum2 = __hadd2(bsum2, x);
         }
       }
+      float bamax = fmaxf(__low2float(bmax2), __high2float(bmax2));
       bamax = fmaxf(bamax, __shfl_xor_sync(~0u, bamax, 1));
       bamax = fmaxf(bamax, __shfl_xor_sync(~0u, bamax, 2));
-      const float binv = bamax > 0.f ? __fdividef(127.f, bamax) : 0.f;
+      const __half binv = __float2half_rn(bamax > 0.f ? fminf(__fdividef(127.f, bamax), 65504.f) : 0.f);
+      bsigma = bamax > 0.f ? __fdividef(1.f, __half2float(binv)) : 0.f;
+      const __half2 binv2 = __half2half2(binv);
       int brsum = 0;
 #pragma unroll
       for (int w = 0; w < NBW; ++w) {
-        hb8[w] = round_s8x4(xb[w][0] * binv, xb[w][1] * binv, xb[w][2] * binv, xb[w][3] * binv);
+        const __half2 lo = __hfma2(xb[2 * w], binv2, magic), hi = __hfma2(xb[2 * w + 1], binv2, magic);
+        hb8[w] = __byte_perm(half2_bits(lo), half2_bits(hi), 0x6420);
         brsum = __dp4a(int(hb8[w]), 0x01010101, brsum);
       }
-      rerr += 6.f * (float(brsum) * (bamax * (1.f / 127.f)) - bsum);  // high codes weigh 4, mean 1.5
+      // high codes weigh 4, mean 1.5
+      rerr += 6.f * (float(brsum) * bsigma - (__low2float(bsum2) + __high2float(bsum2)));
     }
     rerr += __shfl_xor_sync(~0u, rerr, 1);
     rerr += __shfl_xor_sync(~0u, rerr, 2);
@@ -410,7 +416,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     const float zero0 = (qz0 + 1.5f * qsc0 - e0) * a.scaling, zero1 = (qz1 + 1.5f * qsc1 - e1) * a.scaling;
     const float sig = sigma * a.scaling;
     const float sig0 = __shfl_sync(~0u, sig, 8 * t), sig1 = __shfl_sync(~0u, sig, 8 * t + 4);
-    const float bsig = bamax * (4.f / 127.f) * a.scaling;  // x 4: the high codes' weight
+    const float bsig = bsigma * 4.f * a.scaling;  // x 4: the high codes' weight
     const float bsig0 = __shfl_sync(~0u, bsig, 8 * t), bsig1 = __shfl_sync(~0u, bsig, 8 * t + 4);
 
     // ---- scores: 8 tiles (token quarter P, half jh) of 16 tokens x 8 heads, int32 then scaled ----
@@ -608,6 +614,7 @@ int launch_t(const PageArgs& a, int warps, cudaStream_t stream) {
   return (int)cudaGetLastError();
 }
 
+}  // namespace
 }  // namespace kitty
 
 // One build holds one boosted-channel count and pipeline depth (both dtypes): each takes ~30 s of
