@@ -72,6 +72,8 @@ def arguments():
     k.add_argument("--variants", default=None, help="with --cuda: also the CUDA page kernel built from these "
                    "variants of kernels/cuda/decode.cu (.cu files, comma-separated), each setting of each timed in "
                    "the same rounds as the shipped kernel's and named in a source column: an A/B in one process")
+    k.add_argument("--rounds", type=count(1), default=None, help="with --cuda: interleaved timing rounds (default 5; "
+                   "each setting's time is the median of its rounds' medians): more for an A/B of close variants")
     k.add_argument("--grid-tokens", type=count(1), default=None, help="with --cuda: size the page kernels' grids "
                    "for sequences of this many tokens, as a CUDA graph's step over a cache of that capacity "
                    "(default: each shape's length)")
@@ -158,6 +160,8 @@ def refusal(a) -> str | None:
         shipped = Path(__file__).resolve().parents[1] / "kernels" / "cuda" / "decode.cu"
         if len({f.resolve() for f in files} | {shipped}) != len(files) + 1:
             return "--variants names a file twice, or the shipped kernel (timed anyway): give each variant once"
+    if getattr(a, "rounds", None) is not None and not a.cuda:
+        return "--rounds sets the timing rounds of the CUDA comparison: give it with --cuda"
     grid = getattr(a, "grid_tokens", None)
     if grid is not None:
         if not a.cuda:
@@ -423,7 +427,7 @@ def run_kernels(a) -> int:
             return 0
         with progress_bar("kernels", "setting") as progress:
             df = bench_cuda(shapes, [float(x) for x in a.boost.split(",")], ppps, stages,
-                            grid_tokens=a.grid_tokens, progress=progress, sources=sources)
+                            rounds=a.rounds or 5, grid_tokens=a.grid_tokens, progress=progress, sources=sources)
         if a.out:
             write_csv(a.out, df.assign(device=torch.cuda.get_device_name(), torch=torch.__version__))
         return 0

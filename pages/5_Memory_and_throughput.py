@@ -203,7 +203,7 @@ if kernels is not None:
     st.caption("`python -m kitty_core.bench kernels` on one GPU: CUDA-graph replays, the same process for all three. "
                "TB/s: the bytes each one reads per second; copy: a device-to-device copy in the same run.")
 
-cuda = read_saved(DATA / "results" / "kernels_cuda_h200_qprep.csv", read_kernels_cuda,
+cuda = read_saved(DATA / "results" / "kernels_cuda_h200_blocks3.csv", read_kernels_cuda,
                   "a table as `bench kernels --cuda --out x.csv` writes them")
 if cuda is not None:
     st.subheader("The page kernel a default cache decodes with")

@@ -47,6 +47,11 @@ def test_a_kernel_grid_narrower_than_the_shapes_is_refused_before_any_kernel(cap
     assert "--launch-once launches the CUDA page kernel: give it with --cuda" in capsys.readouterr().err
     assert bench.main(["kernels", "--cuda", "--launch-once", "--out", "x.csv"]) == 2
     assert "--launch-once times nothing and writes no table: drop --out" in capsys.readouterr().err
+    assert bench.main(["kernels", "--rounds", "9"]) == 2
+    assert "--rounds sets the timing rounds of the CUDA comparison: give it with --cuda" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["kernels", "--cuda", "--rounds", "0"])
+    assert "--rounds: needs an integer of at least 1, got '0'" in capsys.readouterr().err
 
 
 def test_kernel_variants_must_be_files_and_go_with_cuda(tmp_path, capsys):

@@ -50,8 +50,8 @@
 // index are one group. One stage is one buffer whose halves are pipelined: page p + 1's key half
 // is copied while page p's values are computed, and its value half while its own keys are: two groups
 // a page. The block's smaller footprint (the queries in fp16, 2 KiB a warp, and one page buffer)
-// and 128 registers a thread let four blocks share an SM instead of two (`launch_plan` in
-// `kernels/cuda_decode.py` takes one stage for deep grids only). Shared-memory rows are
+// lets three blocks share an SM instead of two (`launch_plan` in `kernels/cuda_decode.py` takes one
+// stage for deep grids only). Shared-memory rows are
 // XOR-swizzled so that the fragment reads hit distinct banks, and a lane's copies of a page share
 // one shared and one global base address a plane, the rest immediate offsets of the instructions.
 
@@ -222,9 +222,12 @@ __device__ __forceinline__ void issue_page(uint8_t* st, const PageArgs& a, int k
   issue_values<NB>(st, a, vp, h, lane);
 }
 
-// blocks an SM the registers must allow: four at one stage (128 registers a thread; shared memory
-// holds four at every boosted-channel count), two at two stages (shared memory's limit)
-template <int STAGES> constexpr int min_blocks() { return STAGES == 1 ? 4 : 2; }
+// blocks an SM the registers must allow: three at one stage (168 registers a thread), two at two
+// stages (shared memory's limit). Shared memory would hold four blocks at one stage, but at 128
+// registers the one-stage builds spill (21-70 memory operations, 4-23 a page; at 168: 0-20 and 0-3)
+// and, on one H200 at 25% boost, took 5-6% more time on the deep grids of `docs/engine.md` (the
+// same at boost 0)
+template <int STAGES> constexpr int min_blocks() { return STAGES == 1 ? 3 : 2; }
 
 // a warp's shared memory: the n = 8 tile's query rows (2 bytes each; rows past the group's heads
 // zero) and its stages
