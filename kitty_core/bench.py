@@ -147,8 +147,8 @@ def refusal(a) -> str | None:
                 f"kitty_core.bench {a.what} --tp ... (or --device-map auto in one process)")
     if getattr(a, "launch_once", False) and not a.cuda:
         return "--launch-once launches the CUDA page kernel: give it with --cuda"
-    if getattr(a, "launch_once", False) and a.out:
-        return "--launch-once times nothing and writes no table: drop --out"
+    if getattr(a, "launch_once", False) and (a.out or a.rounds is not None):
+        return f"--launch-once times nothing and writes no table: drop {'--out' if a.out else '--rounds'}"
     if getattr(a, "variants", None) is not None:
         if not a.cuda:
             return "--variants are variants of the CUDA page kernel: give them with --cuda"

@@ -50,8 +50,8 @@
 // index are one group. One stage is one buffer whose halves are pipelined: page p + 1's key half
 // is copied while page p's values are computed, and its value half while its own keys are: two groups
 // a page. The block's smaller footprint (the queries in fp16, 2 KiB a warp, and one page buffer)
-// lets three blocks share an SM instead of two (`launch_plan` in `kernels/cuda_decode.py` takes one
-// stage for deep grids only). Shared-memory rows are
+// would let four blocks share an SM instead of two; the registers hold it to three (`min_blocks`;
+// `launch_plan` in `kernels/cuda_decode.py` takes one stage for deep grids only). Shared-memory rows are
 // XOR-swizzled so that the fragment reads hit distinct banks, and a lane's copies of a page share
 // one shared and one global base address a plane, the rest immediate offsets of the instructions.
 
