@@ -236,13 +236,12 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
-                     state: dict | None = None, pages_per_program: int | None = None,
-                     new: tuple | None = None, stages: int | None = None, source: Path | None = None) -> torch.Tensor:
-    """`kernels.decode.decode_attention` with its page launch done by the CUDA kernel: the Triton tail
-    (on a second stream) and combine as they are. Pages per program and stages from `launch_plan`
-    unless given; `source`: a variant of the kernel's source to build and launch instead. The caller
-    checks `unsupported` first."""
+def step_launches(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
+                  state: dict | None = None, pages_per_program: int | None = None, new: tuple | None = None,
+                  stages: int | None = None, source: Path | None = None):
+    """The three launches of `decode_attention` as callables on the current stream, (tail, pages,
+    combine), and the output the combine writes: what the benchmark times one by one. Pages per
+    program and stages from `launch_plan` unless given; `source`: a variant of the kernel's source."""
     from .decode import decode_launches
 
     st = state if state is not None else layer.kernel_state()
@@ -250,25 +249,39 @@ def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count
     ppp, planned = launch_plan(b * layer.heads, st["max_slots"], sms, pages_per_program)
     (tail, pages, combine), out = decode_launches(layer, query, scaling, workspace, st, pages_per_program=ppp, new=new)
-    args = pages[2]
-    m, l, acc = args[-9], args[-8], args[-7]  # the partials, as decode_launches passes them
+    m, l, acc = pages[2][-9:-6]  # the partials, as decode_launches passes them
     chunks = pages[1][1]
-    first = m.shape[2] - chunks
+
+    def launch(kernel, grid, args, options):
+        return lambda: kernel[grid](*args, **options)
+
+    if pool_layout(st["k_pages"], st["v_pages"]):
+        def run_pages():
+            page_partials(query[:, :, 0], st["k_pages"], st["v_pages"], st["k_table"], st["v_table"],
+                          st["n_vpages"], m, l, acc, rep=hq // layer.heads, first_chunk=m.shape[2] - chunks,
+                          pages_per_program=ppp, chunks=chunks, scaling=scaling, stages=stages or planned,
+                          source=source)
+    else:  # a layer with no pages yet holds a stand-in page, not the pool's layout: Triton's launch
+        run_pages = launch(*pages)
+    return (launch(*tail), run_pages, launch(*combine)), out
+
+
+def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
+                     state: dict | None = None, pages_per_program: int | None = None,
+                     new: tuple | None = None, stages: int | None = None, source: Path | None = None) -> torch.Tensor:
+    """`kernels.decode.decode_attention` with its page launch done by the CUDA kernel: the Triton tail
+    (on a second stream) and combine as they are. Pages per program and stages from `launch_plan`
+    unless given; `source`: a variant of the kernel's source to build and launch instead. The caller
+    checks `unsupported` first."""
+    (tail, pages, combine), out = step_launches(layer, query, scaling, workspace, state, pages_per_program, new,
+                                                stages, source)
     main, side = torch.cuda.current_stream(query.device), _side_stream(query.device)
     side.wait_stream(main)
-    if pool_layout(st["k_pages"], st["v_pages"]):
-        page_partials(query[:, :, 0], st["k_pages"], st["v_pages"], st["k_table"], st["v_table"], st["n_vpages"],
-                      m, l, acc, rep=hq // layer.heads, first_chunk=first, pages_per_program=ppp, chunks=chunks,
-                      scaling=scaling, stages=stages or planned, source=source)
-    else:  # a layer with no pages yet holds a stand-in page, not the pool's layout: Triton's launch
-        kernel, grid, pargs, options = pages
-        kernel[grid](*pargs, **options)
+    pages()
     with torch.cuda.stream(side):
-        kernel, grid, targs, options = tail
-        kernel[grid](*targs, **options)
+        tail()
     main.wait_stream(side)
-    kernel, grid, cargs, options = combine
-    kernel[grid](*cargs, **options)
+    combine()
     return out
 
 
@@ -333,5 +346,5 @@ class DecodeStep:
         return out
 
 
-__all__ = ["unsupported", "build", "page_partials", "launch_plan", "decode_attention", "DecodeStep",
+__all__ = ["unsupported", "build", "page_partials", "launch_plan", "step_launches", "decode_attention", "DecodeStep",
            "step_workspace"]

@@ -74,6 +74,9 @@ def arguments():
                    "the same rounds as the shipped kernel's and named in a source column: an A/B in one process")
     k.add_argument("--rounds", type=count(1), default=None, help="with --cuda: interleaved timing rounds (default 5; "
                    "each setting's time is the median of its rounds' medians): more for an A/B of close variants")
+    k.add_argument("--steps-a-graph", type=count(1), default=None, help="with --cuda: calls of each step a CUDA "
+                   "graph holds, back to back (default 10): its time a call, as among a model's kernels; 1 also "
+                   "times the GPU's wait for each replay's launch, several microseconds")
     k.add_argument("--grid-tokens", type=count(1), default=None, help="with --cuda: size the page kernels' grids "
                    "for sequences of this many tokens, as a CUDA graph's step over a cache of that capacity "
                    "(default: each shape's length)")
@@ -147,8 +150,11 @@ def refusal(a) -> str | None:
                 f"kitty_core.bench {a.what} --tp ... (or --device-map auto in one process)")
     if getattr(a, "launch_once", False) and not a.cuda:
         return "--launch-once launches the CUDA page kernel: give it with --cuda"
-    if getattr(a, "launch_once", False) and (a.out or a.rounds is not None):
-        return f"--launch-once times nothing and writes no table: drop {'--out' if a.out else '--rounds'}"
+    if getattr(a, "launch_once", False):
+        timed = [flag for flag, given in (("--out", a.out), ("--rounds", a.rounds is not None),
+                                          ("--steps-a-graph", a.steps_a_graph is not None)) if given]
+        if timed:
+            return f"--launch-once times nothing and writes no table: drop {timed[0]}"
     if getattr(a, "variants", None) is not None:
         if not a.cuda:
             return "--variants are variants of the CUDA page kernel: give them with --cuda"
@@ -162,6 +168,8 @@ def refusal(a) -> str | None:
             return "--variants names a file twice, or the shipped kernel (timed anyway): give each variant once"
     if getattr(a, "rounds", None) is not None and not a.cuda:
         return "--rounds sets the timing rounds of the CUDA comparison: give it with --cuda"
+    if getattr(a, "steps_a_graph", None) is not None and not a.cuda:
+        return "--steps-a-graph sets how the CUDA comparison times a step: give it with --cuda"
     grid = getattr(a, "grid_tokens", None)
     if grid is not None:
         if not a.cuda:
@@ -185,8 +193,8 @@ import shlex  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from .kernel_bench import (bench_cuda, bench_kernels, fp16_attention, launch_cuda_once, launch_defaults,  # noqa: E402
-                           pack_cost, sweep_launch, unpack_modes)
+from .kernel_bench import (STEPS_A_GRAPH, bench_cuda, bench_kernels, fp16_attention, launch_cuda_once,  # noqa: E402
+                           launch_defaults, pack_cost, sweep_launch, unpack_modes)
 from .results import (PAGE_KERNEL_RULE, ResultFileError, e2e_result, e2e_table, kernel_result, read_e2e,  # noqa: E402
                       real_table, setup_differences)
 
@@ -427,7 +435,8 @@ def run_kernels(a) -> int:
             return 0
         with progress_bar("kernels", "setting") as progress:
             df = bench_cuda(shapes, [float(x) for x in a.boost.split(",")], ppps, stages,
-                            rounds=a.rounds or 5, grid_tokens=a.grid_tokens, progress=progress, sources=sources)
+                            rounds=a.rounds or 5, grid_tokens=a.grid_tokens, progress=progress, sources=sources,
+                            steps_a_graph=a.steps_a_graph or STEPS_A_GRAPH)
         if a.out:
             write_csv(a.out, df.assign(device=torch.cuda.get_device_name(), torch=torch.__version__))
         return 0

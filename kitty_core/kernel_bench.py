@@ -25,6 +25,10 @@ from .reference_engine import ReferenceEngine
 from .config import parse_method
 
 
+# calls of a step a CUDA graph holds where `bench_cuda` times it (`graphed`)
+STEPS_A_GRAPH = 10
+
+
 def cuda_time(fn, warmup: int = 3, iters: int = 20) -> float:
     """Median milliseconds of fn() on the current CUDA stream."""
     for _ in range(warmup):
@@ -40,14 +44,19 @@ def cuda_time(fn, warmup: int = 3, iters: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def graphed(fn):
-    """fn captured in a CUDA graph: replaying it costs the GPU work alone, without the host's
-    per-launch cost (Triton's Python launcher takes ~50 us a kernel, more than a small call runs)."""
+def graphed(fn, repeat: int = 1):
+    """fn captured `repeat` times in a row in one CUDA graph: replaying it costs the GPU work alone,
+    without the host's per-launch cost (Triton's Python launcher takes ~50 us a kernel, more than a
+    small call runs). A replay's time still holds the GPU's wait for the graph's launch: on one H200
+    an elementwise op timed 10 us as a replay of its own and 1 us a call at 20 calls a graph. A
+    model's decode graph runs each layer's attention between other kernels, with no such wait;
+    `repeat` calls a graph divide it by `repeat` (time a replay and divide by `repeat`)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(repeat):
+            fn()
     return graph.replay
 
 
@@ -199,17 +208,20 @@ def _cuda_launch(batch: int, kv_heads: int, state: dict, ppp: int | None, stages
 
 
 def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_heads=32, kv_heads=8, head_dim=128,
-               dtype=torch.bfloat16, rounds=5, grid_tokens=None, progress=None, sources=(None,)) -> pd.DataFrame:
+               dtype=torch.bfloat16, rounds=5, grid_tokens=None, progress=None, sources=(None,),
+               steps_a_graph=STEPS_A_GRAPH) -> pd.DataFrame:
     """Per shape and boost rate: the fused step with the CUDA page kernel (`kernels.cuda_decode`, per
     pages-per-program and cp.async-stages setting, None: the launch plan's), the Triton fused step
-    and SDPA on an FP16 cache forced to cuDNN, as CUDA-graph replays timed in `rounds` interleaved
+    and SDPA on an FP16 cache forced to cuDNN, as CUDA graphs of `steps_a_graph` calls in a row
+    (`graphed`: time a call, as it runs among a model's kernels), timed in `rounds` interleaved
     rounds (the median of the rounds' medians); the packed bytes each step reads and both outputs'
     largest difference from the reference. `grid_tokens`: both page kernels' grids sized for
     sequences of that many tokens, as the step of a CUDA graph over a cache of that capacity is
     (`KittyLayer.capacity_slots`; None: for the shape's length). cuDNN reads the shape's length.
     Beside them, the tail kernel alone (the FP16 sink, q-buffer and value window, which runs beside
     either page kernel) and the FP16 parts' bytes: its share of the step's time against their share
-    of the step's bytes. `sources`: the CUDA kernel built from each (None: the shipped source; a
+    of the step's bytes; and each CUDA setting's page kernel and combine alone, which with the tail
+    say where the step's time goes. `sources`: the CUDA kernel built from each (None: the shipped source; a
     path: a variant of it), every setting of each timed in the same rounds, named in `source`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -224,7 +236,7 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 return F.scaled_dot_product_attention(q, k16, v16, scale=scale, enable_gqa=True)
 
-        cudnn_g = graphed(cudnn)
+        cudnn_g = graphed(cudnn, steps_a_graph)
         for boost in boosts:
             if progress:
                 per_boost = len(sources) * len(pages_per_program) * len(stages)
@@ -239,18 +251,23 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
             err_t = (triton().float() - ref).abs().max().item()
             tail_k, tail_grid, tail_args, tail_opts = decode_launches(layer, q, scale, {}, state)[0][0]
             tail = lambda: tail_k[tail_grid](*tail_args, **tail_opts)  # noqa: E731
-            fns = {"triton": graphed(triton), "cudnn": cudnn_g, "tail": graphed(tail)}
+            fns = {"triton": graphed(triton, steps_a_graph), "cudnn": cudnn_g, "tail": graphed(tail, steps_a_graph)}
             errs, runs = {}, [(src, ppp, st) for src in sources for ppp in pages_per_program for st in stages]
             for src, ppp, st in runs:
                 ws = {}
                 fn = lambda ws=ws, src=src, ppp=ppp, st=st: cuda_decode.decode_attention(  # noqa: E731
                     layer, q, scale, ws, state, ppp, stages=st, source=src)
                 errs[src, ppp, st] = (fn().float() - ref).abs().max().item()
-                fns[src, ppp, st] = graphed(fn)
+                fns[src, ppp, st] = graphed(fn, steps_a_graph)
+                # the step's parts alone: the page kernel, and the combine (the tail is shared)
+                (_, pages, combine), _ = cuda_decode.step_launches(layer, q, scale, ws, state, ppp, stages=st,
+                                                                   source=src)
+                fns["pages", src, ppp, st] = graphed(pages, steps_a_graph)
+                fns["combine", src, ppp, st] = graphed(combine, steps_a_graph)
             times = {name: [] for name in fns}
             for _ in range(rounds):
                 for name, g in fns.items():
-                    times[name].append(cuda_time(g, warmup=2, iters=20))
+                    times[name].append(cuda_time(g, warmup=2, iters=20) / steps_a_graph)
             ms = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
             parts = layer.nbytes()
             read = sum(parts.values()) + q.numel() * q.element_size()
@@ -266,8 +283,10 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
                     "cuda_TBps": read / t / 1e9, "triton_TBps": read / ms["triton"] / 1e9,
                     "cudnn_TBps": 2 * k16.numel() * k16.element_size() / ms["cudnn"] / 1e9,
                     "tail_ms": ms["tail"], "tail_time_share": ms["tail"] / t,
+                    "pages_ms": ms["pages", src, ppp, st], "combine_ms": ms["combine", src, ppp, st],
                     "fp16_bytes": fp16, "fp16_byte_share": fp16 / read,
                     "cuda_max_abs_err": errs[src, ppp, st], "triton_max_abs_err": err_t,
+                    "steps_a_graph": steps_a_graph,
                     **({"source": source_name(src)} if any(sources) else {}),
                 })
                 print(pd.DataFrame(rows[-1:]).to_string(index=False, header=len(rows) == 1,

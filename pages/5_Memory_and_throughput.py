@@ -203,7 +203,7 @@ if kernels is not None:
     st.caption("`python -m kitty_core.bench kernels` on one GPU: CUDA-graph replays, the same process for all three. "
                "TB/s: the bytes each one reads per second; copy: a device-to-device copy in the same run.")
 
-cuda = read_saved(DATA / "results" / "kernels_cuda_h200_blocks3.csv", read_kernels_cuda,
+cuda = read_saved(DATA / "results" / "kernels_cuda_h200_in_stream.csv", read_kernels_cuda,
                   "a table as `bench kernels --cuda --out x.csv` writes them")
 if cuda is not None:
     st.subheader("The page kernel a default cache decodes with")
@@ -234,10 +234,12 @@ if cuda is not None:
         "fp16_byte_share": st.column_config.NumberColumn("FP16 parts' share of the bytes", format="percent"),
         "cuda_max_abs_err": st.column_config.NumberColumn("CUDA's largest error", format="%.1e"),
     })
-    st.caption("`python -m kitty_core.bench kernels --cuda --out x.csv` on one GPU: CUDA-graph replays, interleaved "
-               "rounds, all three in one process. The tail kernel timed alone, as a share of the step, beside the "
-               "FP16 parts' share of the bytes the step reads: where the two are close, the tail costs what its "
-               "bytes do; where it takes far more, it is latency (few programs), partly hidden beside the pages.")
+    st.caption("`python -m kitty_core.bench kernels --cuda --out x.csv` on one GPU: each step ten times in a row in "
+               "one CUDA graph (its time a call, as among a model's kernels, without the GPU's wait for a replay's "
+               "launch), interleaved rounds, all three in one process. The tail kernel timed alone, as a share of "
+               "the step, beside the FP16 parts' share of the bytes the step reads: where the two are close, the "
+               "tail costs what its bytes do; where it takes far more, it is latency (few programs), partly hidden "
+               "beside the pages.")
 
 st.subheader("Live sweep on the loaded model")
 on_gpu = frame.lm.device.type == "cuda"

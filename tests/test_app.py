@@ -208,7 +208,7 @@ def test_memory_page_charts_saved_runs_and_sweeps_live():
         fused_bars = [c for c in fused_bars if "Decode attention" in json.dumps(c["layout"])][0]["data"][0]
         assert numbers(fused_bars["y"]) == fused("fp16")
     # the default page kernel's table: CUDA, Triton and cuDNN, one boost rate at a time (the highest first)
-    saved_cuda = pd.read_csv(ROOT / "data/results/kernels_cuda_h200_blocks3.csv")
+    saved_cuda = pd.read_csv(ROOT / "data/results/kernels_cuda_h200_in_stream.csv")
     assert at.radio(key="cuda_boost").value == saved_cuda.boost_rate.max()
     for boost in (0.25, 0.0):
         if at.radio(key="cuda_boost").value != boost:
@@ -338,7 +338,7 @@ def test_pages_skip_malformed_result_files(tmp_path, monkeypatch):
     del no_model["settings"]["model"]
     (res / "e2e_no_model.json").write_text(json.dumps(no_model))
     (res / "kernels_h200.json").write_text('{"settings": {"device": "H200"}, "results": [{"batch": 1')
-    (res / "kernels_cuda_h200_blocks3.csv").write_text("batch,length\n64,8192\n")
+    (res / "kernels_cuda_h200_in_stream.csv").write_text("batch,length\n64,8192\n")
     (res / "accuracy_broken.json").write_text('{"results": [{"method": "kitty-pro"}]}')
     (res / "passkey_demo_cpu.csv").write_text('method,length\n"unterminated')
     (res / "generations_demo_cpu.json").write_text('{"settings": {}, "texts": [{"method": "fp16"}], "kl": []}')
@@ -348,7 +348,7 @@ def test_pages_skip_malformed_result_files(tmp_path, monkeypatch):
     memory = run("pages/5_Memory_and_throughput.py")
     assert "e2e_no_model.json has no model in settings" in warned(memory)
     assert "kernels_h200.json cannot be read as JSON" in warned(memory)
-    assert "kernels_cuda_h200_blocks3.csv lacks the columns boost_rate, cuda_ms, triton_ms, cudnn_ms" in warned(memory)
+    assert "kernels_cuda_h200_in_stream.csv lacks the columns boost_rate, cuda_ms, triton_ms, cudnn_ms" in warned(memory)
     boost = run("pages/3_Boost_rate.py")
     assert "accuracy_broken.json: its results lack the columns kl, perplexity, top1, bits_per_element" in warned(boost)
     generations = run("pages/4_Generations.py")

@@ -2,6 +2,7 @@
 
 import re
 
+import pandas as pd
 import pytest
 import torch
 
@@ -148,7 +149,7 @@ def test_a_launch_for_a_profiler_runs_the_cuda_page_kernel_and_no_other_page_ker
 def test_the_kernel_benchmark_runs_a_variant_beside_the_shipped_kernel(tmp_path):
     """`bench kernels --cuda --variants`: a variant's rows beside the shipped kernel's, named by their
     source, and computed by the variant: this one writes twice the output, so its error is large."""
-    from kitty_core.kernel_bench import bench_cuda, launch_cuda_once
+    from kitty_core.kernel_bench import STEPS_A_GRAPH, bench_cuda, launch_cuda_once
 
     variant = tmp_path / "decode_variant.cu"
     shipped = cuda_decode.SOURCE.read_text()
@@ -157,11 +158,26 @@ def test_the_kernel_benchmark_runs_a_variant_beside_the_shipped_kernel(tmp_path)
     variant.write_text(shipped.replace(line, "const float r0 = 2.f / l0, r1 = 2.f / l1;"))
     df = bench_cuda([(2, 2000)], [0.25], stages=(1, 2), rounds=1, sources=(None, variant))
     assert df["source"].tolist() == ["kernels/cuda/decode.cu"] * 2 + [str(variant)] * 2
-    assert df["stages"].tolist() == [1, 2, 1, 2] and (df["cuda_ms"] > 0).all()
+    assert df["stages"].tolist() == [1, 2, 1, 2] and (df[["cuda_ms", "pages_ms", "combine_ms"]] > 0).all().all()
+    assert (df["steps_a_graph"] == STEPS_A_GRAPH).all()
     err = df["cuda_max_abs_err"].tolist()
     assert max(err[:2]) < 0.1 < min(err[2:]), err
     once = launch_cuda_once([(2, 2000)], [0.25], sources=(None, variant))
     assert once["source"].tolist() == ["kernels/cuda/decode.cu", str(variant)]
+
+
+def test_the_kernel_benchmark_takes_its_timing_from_the_command_line(monkeypatch):
+    """`bench kernels --cuda --rounds N --steps-a-graph S` reach the timing (5 rounds of graphs of 10
+    steps without them); no GPU needed: the comparison itself is replaced by one that records what
+    it was asked."""
+    from kitty_core import bench
+
+    asked = []
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "bench_cuda", lambda *args, **kw: asked.append(kw) or pd.DataFrame())
+    assert bench.main(["kernels", "--cuda", "--rounds", "7", "--steps-a-graph", "1", "--shapes", "2x2000"]) == 0
+    assert bench.main(["kernels", "--cuda", "--shapes", "2x2000"]) == 0
+    assert [(kw["rounds"], kw["steps_a_graph"]) for kw in asked] == [(7, 1), (5, 10)]
 
 
 def test_a_pool_whose_page_stride_passes_2_31_is_refused_before_a_launch():
