@@ -346,5 +346,5 @@ class DecodeStep:
         return out
 
 
-__all__ = ["unsupported", "build", "page_partials", "launch_plan", "step_launches", "decode_attention", "DecodeStep",
-           "step_workspace"]
+__all__ = ["unsupported", "build", "page_partials", "launch_plan", "step_launches", "decode_attention",
+           "DecodeStep", "step_workspace"]

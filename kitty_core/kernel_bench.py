@@ -221,8 +221,9 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
     Beside them, the tail kernel alone (the FP16 sink, q-buffer and value window, which runs beside
     either page kernel) and the FP16 parts' bytes: its share of the step's time against their share
     of the step's bytes; and each CUDA setting's page kernel and combine alone, which with the tail
-    say where the step's time goes. `sources`: the CUDA kernel built from each (None: the shipped source; a
-    path: a variant of it), every setting of each timed in the same rounds, named in `source`."""
+    say where the step's time goes. `sources`: the CUDA kernel built from each (None: the shipped
+    source; a path: a variant of it), every setting of each timed in the same rounds, named in
+    `source`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kernels import cuda_decode
@@ -251,7 +252,8 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
             err_t = (triton().float() - ref).abs().max().item()
             tail_k, tail_grid, tail_args, tail_opts = decode_launches(layer, q, scale, {}, state)[0][0]
             tail = lambda: tail_k[tail_grid](*tail_args, **tail_opts)  # noqa: E731
-            fns = {"triton": graphed(triton, steps_a_graph), "cudnn": cudnn_g, "tail": graphed(tail, steps_a_graph)}
+            fns = {"triton": graphed(triton, steps_a_graph), "cudnn": cudnn_g,
+                   "tail": graphed(tail, steps_a_graph)}
             errs, runs = {}, [(src, ppp, st) for src in sources for ppp in pages_per_program for st in stages]
             for src, ppp, st in runs:
                 ws = {}
