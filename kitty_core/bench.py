@@ -75,8 +75,8 @@ def arguments():
     k.add_argument("--rounds", type=count(1), default=None, help="with --cuda: interleaved timing rounds (default 5; "
                    "each setting's time is the median of its rounds' medians): more for an A/B of close variants")
     k.add_argument("--steps-a-graph", type=count(1), default=None, help="with --cuda: calls of each step a CUDA "
-                   "graph holds, back to back (default 10): its time a call, as among a model's kernels; 1 also "
-                   "times the GPU's wait for each replay's launch, several microseconds")
+                   "graph holds, back to back, its time divided among them (default 10): the GPU's wait for a "
+                   "replay's launch, several microseconds, spread over them; 1 times it whole")
     k.add_argument("--grid-tokens", type=count(1), default=None, help="with --cuda: size the page kernels' grids "
                    "for sequences of this many tokens, as a CUDA graph's step over a cache of that capacity "
                    "(default: each shape's length)")

@@ -49,8 +49,8 @@ def graphed(fn, repeat: int = 1):
     without the host's per-launch cost (Triton's Python launcher takes ~50 us a kernel, more than a
     small call runs). A replay's time still holds the GPU's wait for the graph's launch: on one H200
     an elementwise op timed 10 us as a replay of its own and 1 us a call at 20 calls a graph. A
-    model's decode graph runs each layer's attention between other kernels, with no such wait;
-    `repeat` calls a graph divide it by `repeat` (time a replay and divide by `repeat`)."""
+    layer's attention inside a model's decode graph does not wait for it. A replay's time divided
+    by `repeat` is a call's time with that wait spread over `repeat` calls."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -213,7 +213,7 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
     """Per shape and boost rate: the fused step with the CUDA page kernel (`kernels.cuda_decode`, per
     pages-per-program and cp.async-stages setting, None: the launch plan's), the Triton fused step
     and SDPA on an FP16 cache forced to cuDNN, as CUDA graphs of `steps_a_graph` calls in a row
-    (`graphed`: time a call, as it runs among a model's kernels), timed in `rounds` interleaved
+    (`graphed`: a replay's launch wait spread over them), timed in `rounds` interleaved
     rounds (the median of the rounds' medians); the packed bytes each step reads and both outputs'
     largest difference from the reference. `grid_tokens`: both page kernels' grids sized for
     sequences of that many tokens, as the step of a CUDA graph over a cache of that capacity is

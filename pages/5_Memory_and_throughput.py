@@ -235,11 +235,10 @@ if cuda is not None:
         "cuda_max_abs_err": st.column_config.NumberColumn("CUDA's largest error", format="%.1e"),
     })
     st.caption("`python -m kitty_core.bench kernels --cuda --out x.csv` on one GPU: each step ten times in a row in "
-               "one CUDA graph (its time a call, as among a model's kernels, without the GPU's wait for a replay's "
-               "launch), interleaved rounds, all three in one process. The tail kernel timed alone, as a share of "
-               "the step, beside the FP16 parts' share of the bytes the step reads: where the two are close, the "
-               "tail costs what its bytes do; where it takes far more, it is latency (few programs), partly hidden "
-               "beside the pages.")
+               "one CUDA graph (the GPU's wait for a replay's launch spread over ten calls), interleaved rounds, "
+               "all three in one process. The tail kernel timed alone, as a share of the step, beside the FP16 "
+               "parts' share of the bytes the step reads: where the two are close, the tail costs what its bytes "
+               "do; where it takes far more, it is latency (few programs), partly hidden beside the pages.")
 
 st.subheader("Live sweep on the loaded model")
 on_gpu = frame.lm.device.type == "cuda"
