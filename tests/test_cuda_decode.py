@@ -21,16 +21,17 @@ LENS = [5, SINK + G // 2, SINK + 2 * G + 5, SINK + 3 * G, SINK + 9 * G + 17, SIN
 TOL = dict(atol=5e-2, rtol=5e-2)
 
 
-def _layer(spec, lens, heads, dtype, seed=0, decode_steps=3):
+def _layer(spec, lens, heads, dtype, seed=0, decode_steps=3, spread=None):
     """A left-padded batch holding `lens` real tokens after decode steps, the last decode token stored
-    in FP16 but not packed (the state a decode kernel sees)."""
+    in FP16 but not packed (the state a decode kernel sees). `spread`: the keys' scale per channel."""
     torch.manual_seed(seed)
     layer = KittyLayer(parse_method(spec), ReferenceEngine())
     b, t = len(lens), max(lens) - decode_steps
     empty = torch.zeros(b, heads, 0, D, device="cuda", dtype=dtype)
     layer.lazy_initialization(empty, empty)
     layer.pad = [t - (n - decode_steps) for n in lens]
-    spread = torch.linspace(0.5, 4, D, device="cuda", dtype=dtype)
+    if spread is None:
+        spread = torch.linspace(0.5, 4, D, device="cuda", dtype=dtype)
     layer.insert(torch.randn(b, heads, t, D, device="cuda", dtype=dtype) * spread,
                  torch.randn(b, heads, t, D, device="cuda", dtype=dtype))
     for step in range(decode_steps):
@@ -71,6 +72,26 @@ def test_launch_plan_takes_one_stage_only_for_grids_of_several_waves():
     # the boundary: 2 x 1,056 resident programs (two blocks of 4 warps on 132 SMs) stay at two stages
     assert cuda_decode.launch_plan(2112, 32, 132) == (32, 2)
     assert cuda_decode.launch_plan(2113, 32, 132) == (32, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("boost", [0.25, 0.5])
+def test_large_boosted_keys_do_not_overflow_the_query_rounding(boost):
+    # channels whose keys are a thousand times the others' (a model's outlier channels, the ones the
+    # boost picks) and queries of 60 on every channel: a boosted product q x key scale is ~2e4, within
+    # fp16, but a thread's boosted products summed in fp16 (4 or 8 of them) would pass fp16's largest
+    spread = torch.ones(D, device="cuda", dtype=torch.float16)
+    spread[: int(boost * D)] = 1000.0
+    layer = _layer(f"kitty+boost_rate={boost}", LENS, heads=2, dtype=torch.float16, seed=3, spread=spread)
+    from kernels.decode import decode_attention_reference
+
+    q = torch.full((len(LENS), 8, 1, D), 60.0, device="cuda", dtype=torch.float16)
+    scaling = 1.0 / (60 * 1000 * (boost * D) ** 0.5)  # scores of about unit spread
+    ref = decode_attention_reference(layer, q, scaling).float()
+    for stages in (1, 2):
+        out = cuda_decode.decode_attention(layer, q, scaling, stages=stages).float()
+        assert out.isfinite().all()
+        torch.testing.assert_close(out, ref, **TOL)
 
 
 @pytest.mark.gpu

@@ -377,9 +377,13 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
       // the boosted channels' high codes, on a scale of their own: a boosted channel's key scale is
       // about a fifth of a 2-bit one's, so on the dense scale its queries would keep few levels. The
       // thread's NB / 4 channels (its high-plane bytes of a row) are gathered two at a time into fp16
-      // pairs and rounded as the dense ones are
+      // pairs and rounded as the dense ones are. Their sum is taken of the products x 1/8 (exact, and
+      // one HFMA2 a pair as an HADD2 would be): up to 2 x NBW = 8 of them a half, each below fp16's
+      // largest, cannot overflow it, where a plain sum of large keys' products could
       __half2 xb[2 * NBW];
       __half2 bmax2 = __float2half2_rn(0.f), bsum2 = __float2half2_rn(0.f);
+      const __half2 eighth = __float2half2_rn(0.125f);
+      static_assert(2 * NBW <= 8, "the boosted sum x 1/8 holds at most 8 products a half");
       const half* kscale = reinterpret_cast<const half*>(st + L::KS);
 #pragma unroll
       for (int w = 0; w < NBW; ++w) {
@@ -391,7 +395,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
                                     __halves2half2(kscale[c0], kscale[c1]));
           xb[2 * w + j] = x;
           bmax2 = __hmax2(bmax2, __habs2(x));
-          bsum2 = __hadd2(bsum2, x);
+          bsum2 = __hfma2(x, eighth, bsum2);
         }
       }
       float bamax = fmaxf(__low2float(bmax2), __high2float(bmax2));
@@ -408,7 +412,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
         brsum = __dp4a(int(hb8[w]), 0x01010101, brsum);
       }
       // high codes weigh 4, mean 1.5
-      rerr += 6.f * (float(brsum) * bsigma - (__low2float(bsum2) + __high2float(bsum2)));
+      rerr += 6.f * (float(brsum) * bsigma - 8.f * (__low2float(bsum2) + __high2float(bsum2)));
     }
     rerr += __shfl_xor_sync(~0u, rerr, 1);
     rerr += __shfl_xor_sync(~0u, rerr, 2);
