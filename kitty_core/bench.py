@@ -74,9 +74,9 @@ def arguments():
                    "the same rounds as the shipped kernel's and named in a source column: an A/B in one process")
     k.add_argument("--rounds", type=count(1), default=None, help="with --cuda: interleaved timing rounds (default 5; "
                    "each setting's time is the median of its rounds' medians): more for an A/B of close variants")
-    k.add_argument("--steps-a-graph", type=count(1), default=None, help="with --cuda: calls of each step a CUDA "
-                   "graph holds, back to back, its time divided among them (default 10): the GPU's wait for a "
-                   "replay's launch, several microseconds, spread over them; 1 times it whole")
+    k.add_argument("--steps-a-graph", type=count(1), default=None, help="calls of each step a CUDA graph holds, "
+                   "back to back, its time divided among them (default 10): the GPU's wait for a replay's launch, "
+                   "several microseconds, spread over them; 1 times it whole")
     k.add_argument("--grid-tokens", type=count(1), default=None, help="with --cuda: size the page kernels' grids "
                    "for sequences of this many tokens, as a CUDA graph's step over a cache of that capacity "
                    "(default: each shape's length)")
@@ -168,8 +168,6 @@ def refusal(a) -> str | None:
             return "--variants names a file twice, or the shipped kernel (timed anyway): give each variant once"
     if getattr(a, "rounds", None) is not None and not a.cuda:
         return "--rounds sets the timing rounds of the CUDA comparison: give it with --cuda"
-    if getattr(a, "steps_a_graph", None) is not None and not a.cuda:
-        return "--steps-a-graph sets how the CUDA comparison times a step: give it with --cuda"
     grid = getattr(a, "grid_tokens", None)
     if grid is not None:
         if not a.cuda:
@@ -410,19 +408,22 @@ def run_kernels(a) -> int:
         print("error: the kernel benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    steps = a.steps_a_graph or STEPS_A_GRAPH
     if a.unpack_modes:
         for shape in _each(shapes):
-            print(unpack_modes(shape).to_string(index=False), flush=True)
+            print(unpack_modes(shape, steps_a_graph=steps).to_string(index=False), flush=True)
         return 0
     if a.pack:
-        print(pd.DataFrame([pack_cost(shape) for shape in _each(shapes)]).to_string(index=False), flush=True)
+        print(pd.DataFrame([pack_cost(shape, steps_a_graph=steps) for shape in _each(shapes)]).to_string(index=False),
+              flush=True)
         return 0
     if a.fp16:
-        print(pd.concat([fp16_attention(shape) for shape in _each(shapes)]).to_string(index=False), flush=True)
+        print(pd.concat([fp16_attention(shape, steps_a_graph=steps) for shape in _each(shapes)]).to_string(index=False),
+              flush=True)
         return 0
     if a.sweep:
         for shape in _each(shapes):
-            print(sweep_launch(shape).head(8).to_string(index=False), flush=True)
+            print(sweep_launch(shape, steps_a_graph=steps).head(8).to_string(index=False), flush=True)
         return 0
     if a.cuda:
         ppps = [int(x) for x in a.ppp.split(",")] if a.ppp else [None]
@@ -436,13 +437,14 @@ def run_kernels(a) -> int:
         with progress_bar("kernels", "setting") as progress:
             df = bench_cuda(shapes, [float(x) for x in a.boost.split(",")], ppps, stages,
                             rounds=a.rounds or 5, grid_tokens=a.grid_tokens, progress=progress, sources=sources,
-                            steps_a_graph=a.steps_a_graph or STEPS_A_GRAPH)
+                            steps_a_graph=steps)
         if a.out:
             write_csv(a.out, df.assign(device=torch.cuda.get_device_name(), torch=torch.__version__))
         return 0
     with progress_bar("kernels", "setting") as progress:
         df = bench_kernels(shapes, [float(x) for x in a.boost.split(",")],
-                           key_dots=a.key_dots.split(",") if a.key_dots else (None,), progress=progress)
+                           key_dots=a.key_dots.split(",") if a.key_dots else (None,), progress=progress,
+                           steps_a_graph=steps)
     if a.out:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
         if a.out.suffix == ".json":

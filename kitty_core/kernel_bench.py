@@ -7,7 +7,7 @@ and packing against decoding (`pack_cost`).
 
 Every figure is measured in one process against a baseline of the same shape: GPU time of
 CUDA-graph replays (`graphed`, so that Triton's per-launch host cost does not count), the median of
-a run of calls (`cuda_time`). The layers are synthetic (`synthetic_layer`): random keys with uneven
+a run of calls (`cuda_time`), each graph holding STEPS_A_GRAPH calls in a row (`step_ms`). The layers are synthetic (`synthetic_layer`): random keys with uneven
 channel scales, the state a decode step attends over. Qwen3-8B attention shapes by default (32
 query heads, 8 KV heads, head size 128, bf16).
 """
@@ -58,6 +58,12 @@ def graphed(fn, repeat: int = 1):
         for _ in range(repeat):
             fn()
     return graph.replay
+
+
+def step_ms(fn, steps_a_graph: int = STEPS_A_GRAPH, **timing) -> float:
+    """Milliseconds of GPU time a call of fn takes: the median replay (`cuda_time`, with `timing`) of a
+    CUDA graph of `steps_a_graph` calls in a row (`graphed`), divided among them."""
+    return cuda_time(graphed(fn, steps_a_graph), **timing) / steps_a_graph
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -129,10 +135,11 @@ def launch_defaults() -> dict:
 
 
 def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16,
-                  key_dots=(None,), progress=None) -> pd.DataFrame:
+                  key_dots=(None,), progress=None, steps_a_graph=STEPS_A_GRAPH) -> pd.DataFrame:
     """Per shape, boost rate and page-kernel key dots (None: the default): the fused kernel, the
     unfused qk -> softmax -> sv path and SDPA on an FP16 cache of the same shape, timed in this
-    process as CUDA-graph replays (GPU time; `*_eager_ms`: plain calls, host launch cost included);
+    process as CUDA-graph replays of `steps_a_graph` calls each (`step_ms`: GPU time; `*_eager_ms`:
+    plain calls, host launch cost included);
     bytes the fused kernel must read; the fused output's largest difference from
     `decode_attention_reference`."""
     from kernels.decode import decode_attention, decode_attention_reference, key_dots_of
@@ -143,7 +150,7 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
     for batch, length in shapes:
         q, k16, v16, scale = fp16_step(batch, length, q_heads, kv_heads, head_dim, dtype)
         sdpa = lambda: F.scaled_dot_product_attention(q, k16, v16, scale=scale, enable_gqa=True)  # noqa: E731
-        sdpa_ms, sdpa_eager_ms = cuda_time(graphed(sdpa)), cuda_time(sdpa)
+        sdpa_ms, sdpa_eager_ms = step_ms(sdpa, steps_a_graph), cuda_time(sdpa)
         sdpa_bytes = 2 * k16.numel() * k16.element_size()
         del k16, v16, sdpa
         for boost in boosts:
@@ -152,7 +159,7 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
             layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
             state = layer.kernel_state()
             unfused = lambda: decode_attention_unfused(layer, q, scale, state)  # noqa: E731
-            unfused_ms = cuda_time(graphed(unfused))
+            unfused_ms = step_ms(unfused, steps_a_graph)
             ref = decode_attention_reference(layer, q, scale).float()
             parts = layer.nbytes()
             read = sum(parts.values()) + q.numel() * q.element_size()
@@ -160,14 +167,14 @@ def bench_kernels(shapes, boosts, q_heads=32, kv_heads=8, head_dim=128, dtype=to
                 ws = {}
                 fused = lambda: decode_attention(layer, q, scale, ws, state, key_dots=dots)  # noqa: E731
                 err = (fused().float() - ref).abs().max().item()
-                fused_ms, fused_eager_ms = cuda_time(graphed(fused)), cuda_time(fused)
+                fused_ms, fused_eager_ms = step_ms(fused, steps_a_graph), cuda_time(fused)
                 rows.append({
                     "batch": batch, "length": length, "boost_rate": boost, "key_dots": key_dots_of(dots, head_dim),
                     "fused_ms": fused_ms, "unfused_ms": unfused_ms, "sdpa_fp16_ms": sdpa_ms,
                     "fused_vs_sdpa": sdpa_ms / fused_ms, "fused_vs_unfused": unfused_ms / fused_ms,
                     "fused_eager_ms": fused_eager_ms, "sdpa_eager_ms": sdpa_eager_ms,
                     "fused_bytes": read, "fused_TBps": read / fused_ms / 1e9, "sdpa_TBps": sdpa_bytes / sdpa_ms / 1e9,
-                    "copy_TBps": bw_copy / 1e12, "fused_max_abs_err": err,
+                    "copy_TBps": bw_copy / 1e12, "fused_max_abs_err": err, "steps_a_graph": steps_a_graph,
                 })
                 print(pd.DataFrame(rows[-1:]).to_string(index=False, header=len(rows) == 1,
                                                         float_format=lambda x: f"{x:.3f}"), flush=True)
@@ -327,7 +334,8 @@ def launch_cuda_once(shapes, boosts, pages_per_program=(None,), stages=(None,), 
     return pd.DataFrame(rows)
 
 
-def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
+def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                 steps_a_graph=STEPS_A_GRAPH) -> pd.DataFrame:
     """Fused kernel GPU time over launch settings (pages per program, warps, stages, register cap)."""
     from kernels.decode import decode_attention
 
@@ -339,14 +347,15 @@ def sweep_launch(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=
             for stages in (2, 3):
                 for regs in (None, 128, 160):
                     ws = {}
-                    ms = cuda_time(graphed(lambda: decode_attention(layer, q, scale, ws, state, ppp, warps, stages,
-                                                                    max_registers=regs)), iters=10)
+                    ms = step_ms(lambda: decode_attention(layer, q, scale, ws, state, ppp, warps, stages,
+                                                          max_registers=regs), steps_a_graph, iters=10)
                     rows.append({"batch": batch, "length": length, "ppp": ppp, "warps": warps, "stages": stages,
                                  "max_registers": regs or "-", "ms": ms})
     return pd.DataFrame(rows).sort_values("ms")
 
 
-def fp16_attention(shape, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> pd.DataFrame:
+def fp16_attention(shape, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                   steps_a_graph=STEPS_A_GRAPH) -> pd.DataFrame:
     """FP16 decode attention, one shape, on each SDPA backend that runs it, and as the FP16 baseline's
     captured decode step runs it (cuDNN over a window of up to `PreallocatedCache.WINDOW` slots more,
     masked); GPU time of CUDA-graph replays, and the bandwidth each implies (of the used keys and
@@ -380,7 +389,7 @@ def fp16_attention(shape, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bflo
     variants.append((f"SDPA, cudnn_attention backend, {window}-slot window, masked", masked))
     for what, fn in variants:
         try:
-            ms = cuda_time(graphed(fn))
+            ms = step_ms(fn, steps_a_graph)
         except RuntimeError as err:  # a backend that does not take this call here
             rows.append({"batch": batch, "length": length, "attention": what, "ms": None,
                          "note": str(err).splitlines()[0][:80]})
@@ -389,7 +398,8 @@ def fp16_attention(shape, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bflo
     return pd.DataFrame(rows)
 
 
-def pack_cost(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16) -> dict:
+def pack_cost(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+              steps_a_graph=STEPS_A_GRAPH) -> dict:
     """Packing against decoding, one shape: a page fills every G decode steps, when each sequence
     packs G tokens of keys and values per layer. Share = pack / (G x fused decode step + pack)."""
     from kernels import pack
@@ -399,11 +409,11 @@ def pack_cost(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=tor
     batch, length = shape
     layer, q, scale = packed_step(shape, boost, q_heads, kv_heads, head_dim, dtype)
     state, ws, g = layer.kernel_state(), {}, layer.config.group_size
-    fused_ms = cuda_time(graphed(lambda: decode_attention(layer, q, scale, ws, state)))
+    fused_ms = step_ms(lambda: decode_attention(layer, q, scale, ws, state), steps_a_graph)
     x = torch.randn(batch, kv_heads, g, head_dim, device="cuda", dtype=dtype) * torch.linspace(
         0.2, 4.0, head_dim, device="cuda", dtype=dtype)
     nb = layer.n_boost
-    triton_ms = cuda_time(graphed(lambda: (pack.quantize_keys(x, nb), pack.quantize_values(x, 2))))
+    triton_ms = step_ms(lambda: (pack.quantize_keys(x, nb), pack.quantize_values(x, 2)), steps_a_graph)
     torch_ms = cuda_time(lambda: (quantize_keys(x, nb), quantize_values(x, 2)))
     return {"batch": batch, "length": length, "boost_rate": boost, "fused_ms": fused_ms,
             "pack_triton_ms": triton_ms, "pack_torch_ms": torch_ms,
@@ -411,7 +421,7 @@ def pack_cost(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=tor
 
 
 def unpack_modes(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=torch.bfloat16,
-                 **launch) -> pd.DataFrame:
+                 steps_a_graph=STEPS_A_GRAPH, **launch) -> pd.DataFrame:
     """The fused kernel's GPU time by how codes become operands, one shape: four at a time in PTX,
     element by element, and (in the tail) by int -> fp16 conversions (`decode_attention(unpack=...)`)."""
     from kernels.decode import decode_attention
@@ -424,7 +434,7 @@ def unpack_modes(shape, boost=0.25, q_heads=32, kv_heads=8, head_dim=128, dtype=
                 ("full kernel, int->fp16 conversions in the tail (pages: per element)", {"unpack": "convert"})]
     for what, kw in variants:
         ws = {}
-        ms = cuda_time(graphed(lambda: decode_attention(layer, q, scale, ws, state, **kw, **launch)))
+        ms = step_ms(lambda: decode_attention(layer, q, scale, ws, state, **kw, **launch), steps_a_graph)
         rows.append({"batch": batch, "length": length, "variant": what, "ms": ms, "TBps_of_cache": read / ms / 1e9})
     return pd.DataFrame(rows)
 

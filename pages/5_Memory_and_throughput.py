@@ -200,8 +200,11 @@ if kernels is not None:
         "copy_TBps": st.column_config.NumberColumn("copy (TB/s)", format="%.2f"),
         "fused_max_abs_err": st.column_config.NumberColumn("fused's largest error", format="%.1e"),
     })
-    st.caption("`python -m kitty_core.bench kernels` on one GPU: CUDA-graph replays, the same process for all three. "
-               "TB/s: the bytes each one reads per second; copy: a device-to-device copy in the same run.")
+    steps = int(pick["steps_a_graph"].iloc[0]) if "steps_a_graph" in pick and len(pick) else 1
+    timing = "one replay of its own a call" if steps == 1 else f"{steps} calls in a row a graph, divided among them"
+    st.caption(f"`python -m kitty_core.bench kernels` on one GPU: CUDA-graph replays ({timing}), the same process "
+               "for all three. TB/s: the bytes each one reads per second; copy: a device-to-device copy in the same "
+               "run.")
 
 cuda = read_saved(DATA / "results" / "kernels_cuda_h200_in_stream.csv", read_kernels_cuda,
                   "a table as `bench kernels --cuda --out x.csv` writes them")

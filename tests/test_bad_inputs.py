@@ -51,8 +51,6 @@ def test_a_kernel_grid_narrower_than_the_shapes_is_refused_before_any_kernel(cap
     assert "--launch-once times nothing and writes no table: drop --rounds" in capsys.readouterr().err
     assert bench.main(["kernels", "--rounds", "9"]) == 2
     assert "--rounds sets the timing rounds of the CUDA comparison: give it with --cuda" in capsys.readouterr().err
-    assert bench.main(["kernels", "--steps-a-graph", "1"]) == 2
-    assert "--steps-a-graph sets how the CUDA comparison times a step: give it with --cuda" in capsys.readouterr().err
     assert bench.main(["kernels", "--cuda", "--launch-once", "--steps-a-graph", "1"]) == 2
     assert "--launch-once times nothing and writes no table: drop --steps-a-graph" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -188,17 +188,32 @@ def test_the_kernel_benchmark_runs_a_variant_beside_the_shipped_kernel(tmp_path)
 
 
 def test_the_kernel_benchmark_takes_its_timing_from_the_command_line(monkeypatch):
-    """`bench kernels --cuda --rounds N --steps-a-graph S` reach the timing (5 rounds of graphs of 10
-    steps without them); no GPU needed: the comparison itself is replaced by one that records what
-    it was asked."""
+    """`bench kernels --rounds N --steps-a-graph S` reach the timing (5 rounds of graphs of 10 steps
+    without them), in the CUDA comparison and in every other table; no GPU needed: the tables
+    themselves are replaced by ones that record what they were asked."""
     from kitty_core import bench
 
     asked = []
+
+    def record(what, result):
+        return lambda *args, **kw: asked.append((what, kw)) or result
+
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(bench, "bench_cuda", lambda *args, **kw: asked.append(kw) or pd.DataFrame())
+    monkeypatch.setattr(bench, "bench_cuda", record("cuda", pd.DataFrame()))
+    monkeypatch.setattr(bench, "bench_kernels", record("triton", pd.DataFrame()))
+    monkeypatch.setattr(bench, "pack_cost", record("pack", {}))
+    monkeypatch.setattr(bench, "fp16_attention", record("fp16", pd.DataFrame()))
+    monkeypatch.setattr(bench, "sweep_launch", record("sweep", pd.DataFrame()))
+    monkeypatch.setattr(bench, "unpack_modes", record("unpack", pd.DataFrame()))
     assert bench.main(["kernels", "--cuda", "--rounds", "7", "--steps-a-graph", "1", "--shapes", "2x2000"]) == 0
     assert bench.main(["kernels", "--cuda", "--shapes", "2x2000"]) == 0
-    assert [(kw["rounds"], kw["steps_a_graph"]) for kw in asked] == [(7, 1), (5, 10)]
+    assert [(kw["rounds"], kw["steps_a_graph"]) for _, kw in asked] == [(7, 1), (5, 10)]
+    asked.clear()
+    for mode in ([], ["--pack"], ["--fp16"], ["--sweep"], ["--unpack-modes"]):
+        assert bench.main(["kernels", *mode, "--steps-a-graph", "3", "--shapes", "2x2000"]) == 0
+        assert bench.main(["kernels", *mode, "--shapes", "2x2000"]) == 0
+    assert [(what, kw["steps_a_graph"]) for what, kw in asked] == [
+        (what, n) for what in ("triton", "pack", "fp16", "sweep", "unpack") for n in (3, 10)]
 
 
 def test_a_pool_whose_page_stride_passes_2_31_is_refused_before_a_launch():

@@ -182,6 +182,20 @@ def test_the_benchmarks_grid_for_a_capacity_is_the_graph_steps():
         grid_state(layer, SINK + 1)
 
 
+@pytest.mark.gpu
+def test_the_kernel_tables_time_graphs_of_several_steps():
+    """`bench kernels` (the Triton table and its other modes) times each step as a CUDA graph of
+    several calls in a row, divided among them: every step captures and replays so, and says how."""
+    from kitty_core.kernel_bench import bench_kernels, fp16_attention, pack_cost
+
+    df = bench_kernels([(2, 600)], [0.25], steps_a_graph=3)
+    assert (df["steps_a_graph"] == 3).all()
+    assert (df[["fused_ms", "unfused_ms", "sdpa_fp16_ms"]] > 0).all(axis=None)
+    assert (df["fused_max_abs_err"] < 0.1).all()  # a misplaced plane or scale is off by whole units
+    assert pack_cost((2, 600), steps_a_graph=3)["pack_triton_ms"] > 0
+    assert (fp16_attention((2, 600), steps_a_graph=3)["ms"].dropna() > 0).all()
+
+
 def test_partials_of_a_16_bit_model_are_kept_in_its_dtype():
     """A bf16 query's chunks keep their outputs in bf16 between the decode kernels and the combine:
     the step agrees with the same step in fp32 to bf16 rounding, across many chunks."""
