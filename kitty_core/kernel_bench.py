@@ -7,9 +7,9 @@ and packing against decoding (`pack_cost`).
 
 Every figure is measured in one process against a baseline of the same shape: GPU time of
 CUDA-graph replays (`graphed`, so that Triton's per-launch host cost does not count), the median of
-a run of calls (`cuda_time`), each graph holding STEPS_A_GRAPH calls in a row (`step_ms`). The layers are synthetic (`synthetic_layer`): random keys with uneven
-channel scales, the state a decode step attends over. Qwen3-8B attention shapes by default (32
-query heads, 8 KV heads, head size 128, bf16).
+a run of calls (`cuda_time`), each graph holding STEPS_A_GRAPH calls in a row (`step_ms`). The layers
+are synthetic (`synthetic_layer`): random keys with uneven channel scales, the state a decode step
+attends over. Qwen3-8B attention shapes by default (32 query heads, 8 KV heads, head size 128, bf16).
 """
 
 from __future__ import annotations
