@@ -25,7 +25,7 @@ from .reference_engine import ReferenceEngine
 from .config import parse_method
 
 
-# calls of a step a CUDA graph holds where `bench_cuda` times it (`graphed`)
+# calls of a step a CUDA graph holds where every `bench kernels` table times it (`step_ms`, `bench_cuda`)
 STEPS_A_GRAPH = 10
 
 

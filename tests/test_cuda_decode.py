@@ -83,6 +83,10 @@ def test_large_boosted_keys_do_not_overflow_the_query_rounding(boost):
     spread = torch.ones(D, device="cuda", dtype=torch.float16)
     spread[: int(boost * D)] = 1000.0
     layer = _layer(f"kitty+boost_rate={boost}", LENS, heads=2, dtype=torch.float16, seed=3, spread=spread)
+    why = cuda_decode.unsupported(D, G, layer.n_boost, 2, 4, torch.float16, layer.device) or cuda_decode.build(layer.n_boost)
+    assert why is None, why
+    state = layer.kernel_state()
+    assert cuda_decode.pool_layout(state["k_pages"], state["v_pages"])  # the CUDA page kernel's path, not Triton's
     from kernels.decode import decode_attention_reference
 
     q = torch.full((len(LENS), 8, 1, D), 60.0, device="cuda", dtype=torch.float16)

@@ -188,12 +188,28 @@ def test_the_kernel_tables_time_graphs_of_several_steps():
     several calls in a row, divided among them: every step captures and replays so, and says how."""
     from kitty_core.kernel_bench import bench_kernels, fp16_attention, pack_cost
 
+    torch.manual_seed(0)
     df = bench_kernels([(2, 600)], [0.25], steps_a_graph=3)
     assert (df["steps_a_graph"] == 3).all()
     assert (df[["fused_ms", "unfused_ms", "sdpa_fp16_ms"]] > 0).all(axis=None)
     assert (df["fused_max_abs_err"] < 0.1).all()  # a misplaced plane or scale is off by whole units
     assert pack_cost((2, 600), steps_a_graph=3)["pack_triton_ms"] > 0
-    assert (fp16_attention((2, 600), steps_a_graph=3)["ms"].dropna() > 0).all()
+    fp16 = fp16_attention((2, 600), steps_a_graph=3)["ms"]
+    assert fp16.notna().any() and (fp16.dropna() > 0).all()
+
+
+def test_a_step_is_timed_as_a_graph_of_several_calls_divided_among_them(monkeypatch):
+    """`step_ms`: the median replay of one CUDA graph holding the calls back to back, divided by
+    their number (no GPU needed: the capture and the timing are replaced by ones that record)."""
+    from kitty_core import kernel_bench
+
+    captured = []
+    monkeypatch.setattr(kernel_bench, "graphed", lambda fn, repeat=1: captured.append((fn, repeat)) or "replay")
+    monkeypatch.setattr(kernel_bench, "cuda_time", lambda replay, **timing: {"replay": 12.0}[replay])
+    step = object()
+    assert kernel_bench.step_ms(step, 4) == 3.0
+    assert kernel_bench.step_ms(step) == 12.0 / kernel_bench.STEPS_A_GRAPH
+    assert captured == [(step, 4), (step, kernel_bench.STEPS_A_GRAPH)]
 
 
 def test_partials_of_a_16_bit_model_are_kept_in_its_dtype():
