@@ -140,7 +140,7 @@ def page_loop(fn: str, source: Path) -> list[tuple[str, str]]:
     "elsewhere" for an instruction that no line of the kernel's body wrote."""
     loop = loop_body(_resolve_labels(fn))
     if loop is None:
-        raise RuntimeError("no page loop (a conditional branch back) in pages_kernel")
+        raise RuntimeError("no page loop (a branch back) in pages_kernel")
     parts = part_lines(source.read_text())
     return [(op, parts.get(line, "elsewhere")) for at, op, line in located(fn, str(source)) if loop[0] <= at <= loop[1]]
 

@@ -33,13 +33,19 @@ SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;
 
 
 def loop_body(sass: str) -> tuple[int, int] | None:
-    """Address range of the longest loop (a conditional branch back to a lower address)."""
+    """Address range of the longest loop: a branch back to a lower address, conditional or not (for
+    sm_89 ptxas closes a loop with a plain branch and leaves it by a predicated call). Only branches
+    before the code's last unconditional EXIT count: the blocks after it (the fallbacks of divergent
+    shuffles) branch back into the body they were called from, and close no loop."""
+    lines = list(SASS_LINE.finditer(sass))
+    exits = [int(m.group(1), 16) for m in lines if m.group(3) == "EXIT" and not m.group(2)]
+    end = max(exits, default=None)
     best = None
-    for m in SASS_LINE.finditer(sass):
+    for m in lines:
         target = re.search(r"0x([0-9a-f]+)", m.group(4))
-        if m.group(3) == "BRA" and m.group(2) and target:
+        if m.group(3) == "BRA" and target:
             at, to = int(m.group(1), 16), int(target.group(1), 16)
-            if to < at and (best is None or at - to > best[1] - best[0]):
+            if to < at and (end is None or at < end) and (best is None or at - to > best[1] - best[0]):
                 best = (to, at)
     return best
 

@@ -13,7 +13,7 @@ import pytest
 
 from kitty_core import compile_cuda
 from kitty_core.compile_cuda import SOURCE, _function, _resolve_labels, build_cubin, located, page_loop, part_lines
-from kitty_core.sass import tools
+from kitty_core.sass import loop_body, tools
 
 # as `nvdisasm -gi` prints it: a location is a chain, innermost frame first, the outermost on its own line
 LISTING = textwrap.dedent("""\
@@ -36,6 +36,28 @@ def test_an_instruction_counts_at_its_outermost_line_in_the_kernels_source():
     assert "@!P0 BRA 0x0010" in _resolve_labels(LISTING)
     with pytest.raises(RuntimeError, match="names no instruction"):
         _resolve_labels(LISTING.replace("BRA `(.L_x_3)", "BRA `(.L_x_9)"))
+
+
+# a loop as ptxas closes it for sm_89: a plain branch back, left by a predicated call; after the last
+# EXIT, a divergent shuffle's fallback that branches back into the body
+CLOSED_BY_A_PLAIN_BRANCH = textwrap.dedent("""\
+            /*0000*/                   MOV R1, c[0x0][0x28] ;
+            /*0010*/                   LDS R2, [R3] ;
+            /*0020*/                   BRA.DIV ~URZ, 0x0080 ;
+            /*0030*/                   SHFL.BFLY PT, R4, R2, 0x1, 0x1f ;
+            /*0040*/               @P0 CALL.REL.NOINC 0x0060 ;
+            /*0050*/                   BRA 0x0010 ;
+            /*0060*/                   EXIT ;
+            /*0070*/                   BRA 0x0070 ;
+            /*0080*/                   CALL.REL.NOINC 0x0100 ;
+            /*0090*/                   BRA 0x0030 ;
+    """)
+
+
+def test_the_loop_is_the_longest_branch_back_before_the_last_exit():
+    assert loop_body(CLOSED_BY_A_PLAIN_BRANCH) == (0x10, 0x50)
+    assert loop_body(_resolve_labels(LISTING)) == (0x10, 0x30)  # closed by a conditional branch
+    assert loop_body(CLOSED_BY_A_PLAIN_BRANCH.replace("BRA 0x0010", "BRA 0x0060")) is None
 
 
 def test_the_kernels_parts_are_its_marked_sections():
@@ -62,16 +84,16 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 
 
 @needs_nvcc
-@pytest.mark.parametrize("n_boost", [0, 32])
-def test_each_mma_of_the_page_loop_is_counted_in_its_part(n_boost):
+@pytest.mark.parametrize("n_boost, arch", [(0, "sm_90a"), (32, "sm_90a"), (32, "sm_89")])
+def test_each_mma_of_the_page_loop_is_counted_in_its_part(n_boost, arch):
     """A page is 4 token quarters x 2 halves: keys 4 k-tiles of m16n8k32 each (+1 for the boosted
     channels' high codes), values 2 channel tiles x 4 code planes of m16n8k16 each; the queries' zero
     and scale dots one m16n8k16 per 16 channels. The MMAs are written in a helper (`mma`, `mma_u8s8`)
     far from the kernel: each must count where it is called. At one stage a page's key half and value
-    half are copied at two places of the loop."""
+    half are copied at two places of the loop. The same for Ada, whose loop ptxas closes otherwise."""
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "pages.cubin"
-        cubin.write_bytes(build_cubin(SOURCE, n_boost, 1))
+        cubin.write_bytes(build_cubin(SOURCE, n_boost, 1, arch))
         listing = subprocess.run([tools() / "nvdisasm", "-gi", "-c", cubin], capture_output=True, text=True,
                                  check=True).stdout
     body = page_loop(_function(listing, "bf16"), SOURCE)
