@@ -11,7 +11,7 @@ from pathlib import Path
 
 # SASS opcode families (the opcode before the first dot)
 FAMILIES = {
-    "tensor core": {"HMMA", "HGMMA", "IMMA", "IGMMA"},
+    "tensor core": {"HMMA", "HGMMA", "IMMA", "IGMMA", "QMMA", "QGMMA"},
     "global load": {"LDG"},
     "shared": {"LDS", "STS", "LDSM", "STSM"},
     "integer/bit": {"LOP3", "SHF", "PRMT", "IADD3", "IMAD", "LEA", "SGXT", "BMSK", "ISETP", "SEL", "IMNMX", "VIMNMX"},
