@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 from .ptx import _value_plane
-from .state import (PagedLayer, _bias, _cat4, _check, _constants, _kernel_args, _kv_tile, _mask_part, _page_scores,
-                    _query_rows, _query_tile)
+from .state import (PagedLayer, _bias, _cat4, _check, _constants, _kernel_args, _kv_scales, _kv_tile, _mask_part,
+                    _page_scores, _query_rows, _query_tile)
 
 
 @triton.jit
@@ -46,15 +46,18 @@ def _page_values_part(p, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase, s
 
 
 @triton.jit
-def _fp16_tile(X, base, s_t, count, T: tl.constexpr, D: tl.constexpr):
-    """`_kv_tile` in fp16 (the unfused kernels' operands)."""
-    return _kv_tile(X, base, s_t, count, T, D).to(tl.float16)
+def _fp16_tile(X, XS, base, s_t, count, T: tl.constexpr, D: tl.constexpr):
+    """`_kv_tile` in fp16 (the unfused kernels' operands); an 8-bit tail's dequantized."""
+    x = _kv_tile(X, base, s_t, count, X, T, D)
+    if X.dtype.element_ty == tl.int8:
+        x = x.to(tl.float32) * _kv_scales(X, XS, base, s_t, count, T, D)[:, None]
+    return x.to(tl.float16)
 
 
 @triton.jit
-def _fp16_part_scores(q16, X, base, s_t, count, T: tl.constexpr, G4: tl.constexpr, D: tl.constexpr):
+def _fp16_part_scores(q16, X, XS, base, s_t, count, T: tl.constexpr, G4: tl.constexpr, D: tl.constexpr):
     """Scores [R, G/4] of FP16 keys T*G/4 .. (T+1)*G/4 - 1 of a slot (rows >= count: -inf)."""
-    s = tl.dot(q16, tl.trans(_fp16_tile(X, base + T * G4 * s_t, s_t, count - T * G4, G4, D)))
+    s = tl.dot(q16, tl.trans(_fp16_tile(X, XS, base + T * G4 * s_t, s_t, count - T * G4, G4, D)))
     return _mask_part(s, count, T, G4)
 
 
@@ -64,6 +67,7 @@ def _qk_kernel(
     KS, VS, sSb, sSh, sSt,
     KB, sKBb, sKBh, sKBt,
     VW, sVWb, sVWh, sVWt,
+    KSS, VSS, KBS, VWS,
     KD, KH, KC, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKCp, sKCh, sKSp, sKSh,
     VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVLc, sVSp, sVSh,
     KT, VT, sKT, sVT,
@@ -87,7 +91,7 @@ def _qk_kernel(
     if slot < 0:
         n_sink = tl.minimum(n, S)
         ts = tl.arange(0, S_P)
-        s_sink = tl.dot(q.to(tl.float16), tl.trans(_fp16_tile(KS, b * sSb + h * sSh, sSt, n_sink, S_P, D)))
+        s_sink = tl.dot(q.to(tl.float16), tl.trans(_fp16_tile(KS, KSS, b * sSb + h * sSh, sSt, n_sink, S_P, D)))
         s_sink = tl.where((ts < n_sink)[None, :], s_sink, float("-inf"))
         tl.store(row + ts[None, :], s_sink, mask=keep & (ts < S)[None, :])
     else:
@@ -102,10 +106,10 @@ def _qk_kernel(
         else:
             kb = b * sKBb + h * sKBh
             q16 = q.to(tl.float16)
-            s0 = _fp16_part_scores(q16, KB, kb, sKBt, count, 0, G4, D)
-            s1 = _fp16_part_scores(q16, KB, kb, sKBt, count, 1, G4, D)
-            s2 = _fp16_part_scores(q16, KB, kb, sKBt, count, 2, G4, D)
-            s3 = _fp16_part_scores(q16, KB, kb, sKBt, count, 3, G4, D)
+            s0 = _fp16_part_scores(q16, KB, KBS, kb, sKBt, count, 0, G4, D)
+            s1 = _fp16_part_scores(q16, KB, KBS, kb, sKBt, count, 1, G4, D)
+            s2 = _fp16_part_scores(q16, KB, KBS, kb, sKBt, count, 2, G4, D)
+            s3 = _fp16_part_scores(q16, KB, KBS, kb, sKBt, count, 3, G4, D)
         t = tl.arange(0, G4)[None, :]
         tl.store(row + t, _mask_part(s0, count, 0, G4), mask=keep)
         tl.store(row + G4 + t, _mask_part(s1, count, 1, G4), mask=keep)
@@ -119,6 +123,7 @@ def _sv_kernel(
     KS, VS, sSb, sSh, sSt,
     KB, sKBb, sKBh, sKBt,
     VW, sVWb, sVWh, sVWt,
+    KSS, VSS, KBS, VWS,
     KD, KH, KC, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKCp, sKCh, sKSp, sKSh,
     VL, VH, VSC, VZ, sVLp, sVLh, sVLt, sVLc, sVSp, sVSh,
     KT, VT, sKT, sVT,
@@ -145,7 +150,7 @@ def _sv_kernel(
         n_sink = tl.minimum(n, S)
         ts = tl.arange(0, S_P)
         p_sink = tl.load(row + ts[None, :], mask=keep & (ts < n_sink)[None, :], other=0.0)
-        acc = tl.dot(p_sink.to(tl.float16), _fp16_tile(VS, b * sSb + h * sSh, sSt, n_sink, S_P, D))
+        acc = tl.dot(p_sink.to(tl.float16), _fp16_tile(VS, VSS, b * sSb + h * sSh, sSt, n_sink, S_P, D))
     else:
         count = tl.minimum(n - (S + slot * G), G)
         if count > 0:
@@ -178,7 +183,7 @@ def _sv_kernel(
             else:
                 t = tl.arange(0, G)
                 p = tl.load(row + t[None, :], mask=keep & (t < count)[None, :], other=0.0)
-                vw = _fp16_tile(VW, b * sVWb + h * sVWh + (slot - n_vp) * G * sVWt, sVWt, count, G, D)
+                vw = _fp16_tile(VW, VWS, b * sVWb + h * sVWh + (slot - n_vp) * G * sVWt, sVWt, count, G, D)
                 acc = tl.dot(p.to(tl.float16), vw)
     tl.store(OUT + b * sOb + heads[:, None] * sOh + (slot + 1) * sOc + d[None, :], acc, mask=keep)
 

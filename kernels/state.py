@@ -3,8 +3,9 @@ unfused) build from it.
 
 The kernels take tensors and sizes. A layer reaches them as anything with the attributes of
 `PagedLayer` (`kitty_core.layer.KittyLayer` is one): its sizes, and `kernel_state()`, a dict of the
-tensors a step reads (`_kernel_args` lists them): FP16 sink, key q-buffer and value window
-[B, H, cap, D]; the page pools' fields [P, H, ...]; the page tables [B, width] and counts [B] (int32);
+tensors a step reads (`_kernel_args` lists them): the tail's sink, key q-buffer and value window
+[B, H, cap, D] (the model's dtype, or int8 codes with `tail_scales` [B, H, cap] in fp32); the page
+pools' fields [P, H, ...]; the page tables [B, width] and counts [B] (int32);
 the real tokens per sequence `lens` [B]; and `max_slots`, the page slots of the longest sequence.
 The kernels take every stride of the planes: `kitty_core.page_pool.PagePool` stores them with the
 reduced axis contiguous (key channels, value tokens), so that a tensor-core operand reads four
@@ -112,12 +113,48 @@ def _operand(x, X):
 
 
 @triton.jit
-def _kv_tile(X, base, s_t, count, T: tl.constexpr, D: tl.constexpr):
-    """Tokens [T, D] of an FP16 buffer from base (token stride s_t), rows >= count zero, as a dot
-    operand (`_operand`)."""
+def _tail_operand(x, X, Q):
+    """x as an operand beside tiles of the tail buffer X: `_operand` of X for a 16-bit tail; for an
+    8-bit one (int8 codes), of the query Q, whose dtype is the model's."""
+    CODES: tl.constexpr = X.dtype.element_ty == tl.int8
+    BF16: tl.constexpr = (Q.dtype.element_ty if CODES else X.dtype.element_ty) == tl.bfloat16
+    return x.to(tl.bfloat16) if BF16 else x.to(tl.float16)
+
+
+@triton.jit
+def _kv_tile(X, base, s_t, count, Q, T: tl.constexpr, D: tl.constexpr):
+    """Tokens [T, D] of a tail buffer from base (token stride s_t), rows >= count zero, as a dot
+    operand (`_tail_operand`): the tokens of a 16-bit tail, the codes of an 8-bit one (exact in
+    fp16 and bf16), whose scales `_kv_scales` reads."""
     t = tl.arange(0, T)
     d = tl.arange(0, D)
-    return _operand(tl.load(X + base + t[:, None] * s_t + d[None, :], mask=(t < count)[:, None], other=0.0), X)
+    return _tail_operand(tl.load(X + base + t[:, None] * s_t + d[None, :], mask=(t < count)[:, None], other=0), X, Q)
+
+
+@triton.jit
+def _kv_scales(X, XS, base, s_t, count, T: tl.constexpr, D: tl.constexpr):
+    """The scales [T] (fp32, rows >= count zero) of an 8-bit tail's tokens whose codes `_kv_tile`
+    reads from X: each at its token's element offset / D (both tensors contiguous, `_kernel_args`).
+    Only for an int8 X."""
+    t = tl.arange(0, T)
+    return tl.load(XS + (base + t * s_t) // D, mask=t < count, other=0.0)
+
+
+@triton.jit
+def _store_token(X, XS, at, x, D: tl.constexpr):
+    """Store one token x [D] (as loaded, the model's dtype) at element offset `at` of a tail buffer,
+    as the buffer stores it: as it is, or (int8) codes round(x / s) on s = max|x| / 127, ties to
+    even, with s at XS + at / D: the numbers `kitty_core.regions.quantize_tokens` computes."""
+    d = tl.arange(0, D)
+    if X.dtype.element_ty == tl.int8:
+        y = x.to(tl.float32)
+        s = tl.max(tl.abs(y), 0) / 127.0
+        y = y / tl.maximum(s, 1e-30)
+        y = (y + 12582912.0) - 12582912.0  # round to nearest even (|y| <= 127 < 2^22)
+        tl.store(X + at + d, tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8))
+        tl.store(XS + at // D, s)
+    else:
+        tl.store(X + at + d, x.to(X.dtype.element_ty))
 
 
 @triton.jit
@@ -177,11 +214,16 @@ def _check(layer: PagedLayer, query, cuda: bool):
 
 def _kernel_args(layer: PagedLayer, st: dict) -> tuple:
     kp, vp = st["k_pages"], st["v_pages"]
-    ks, vs, kb, vw = st["k_sink"], st["v_sink"], st["k_buffer"], st["v_window"]
+    ks, vs, kb, vw = tail = st["k_sink"], st["v_sink"], st["k_buffer"], st["v_window"]
+    scales = st.get("tail_scales")
+    if scales is not None:  # an 8-bit tail: a token's scale sits at its codes' element offset / D
+        if not all(t.is_contiguous() for t in (*tail, *scales)):
+            raise ValueError("an 8-bit tail's codes and scales must be contiguous tensors")
     return (
         ks, vs, ks.stride(0), ks.stride(1), ks.stride(2),
         kb, kb.stride(0), kb.stride(1), kb.stride(2),
         vw, vw.stride(0), vw.stride(1), vw.stride(2),
+        *(scales if scales is not None else tail),  # (16-bit tail: not read)
         kp["dense"], kp["high"], kp["boost_ch"], kp["scale"], kp["zero"],
         *kp["dense"].stride(), *kp["high"].stride(),
         kp["boost_ch"].stride(0), kp["boost_ch"].stride(1), kp["scale"].stride(0), kp["scale"].stride(1),

@@ -250,14 +250,15 @@ def parts(state, span: int | None = None):
     c, n = state.config, state.tokens(0)
     rows = []
     s = min(c.sink, n) if c.quantize else n
+    tail = "FP16" if c.tail_bits == 16 else "INT8"
     for side in ("keys", "values"):
-        rows.append((side, "sink (FP16)" if c.quantize else "FP16", 0, s))
+        rows.append((side, f"sink ({tail})" if c.quantize else "FP16", 0, s))
         if c.quantize:
             pool = state.k_pages if side == "keys" else state.v_pages
             paged = s + pool.pages_of(0) * c.group_size
             for p in range(pool.pages_of(0)):
                 rows.append((side, f"page {p} (2-bit)", s + p * c.group_size, s + (p + 1) * c.group_size))
-            rows.append((side, "q-buffer (FP16)" if side == "keys" else "q-buffer and window (FP16)", paged, n))
+            rows.append((side, f"q-buffer ({tail})" if side == "keys" else f"q-buffer and window ({tail})", paged, n))
         if span and span > n:
             rows.append((side, "new tokens (FP16)", n, span))
     df = pd.DataFrame(rows, columns=["side", "part", "start", "end"])

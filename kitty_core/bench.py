@@ -80,6 +80,8 @@ def arguments():
     k.add_argument("--grid-tokens", type=count(1), default=None, help="with --cuda: size the page kernels' grids "
                    "for sequences of this many tokens, as a CUDA graph's step over a cache of that capacity "
                    "(default: each shape's length)")
+    k.add_argument("--tail-bits", default="16", help="with --cuda: the tail's width, 16 (FP16), 8 (tail_bits=8) "
+                   "or 16,8: each timed in the same run")
     e = sub.add_parser("e2e", help="a whole model generating: max batch, memory, throughput per cache",
                        formatter_class=p.formatter_class)
     _model_options(e)
@@ -437,7 +439,7 @@ def run_kernels(a) -> int:
         with progress_bar("kernels", "setting") as progress:
             df = bench_cuda(shapes, [float(x) for x in a.boost.split(",")], ppps, stages,
                             rounds=a.rounds or 5, grid_tokens=a.grid_tokens, progress=progress, sources=sources,
-                            steps_a_graph=steps)
+                            steps_a_graph=steps, tail_bits=[int(x) for x in a.tail_bits.split(",")])
         if a.out:
             write_csv(a.out, df.assign(device=torch.cuda.get_device_name(), torch=torch.__version__))
         return 0

@@ -17,7 +17,7 @@ from .config import KittyConfig, parse_method
 from .engines import available_engines, make_engine
 from .graphs import StepCounters, cudagraph_trees_for_this_thread
 from .hf import check_supported, enable_kitty_attention, layer_windows, model_shape, softcapping
-from .layer import SLIDING, KittyLayer
+from .layer import SLIDING, TAIL_PARTS, KittyLayer
 
 
 _STORED_AS = {  # what the packed parts are (kernels/pages.py); every other part holds the model's dtype
@@ -97,8 +97,9 @@ class KittyCache(Cache):
 
     def memory_report(self) -> pd.DataFrame:
         """Stored bytes by part, summed over layers, with bytes per real token and what each part is
-        stored as: the FP16 parts (and every token of the "fp16" preset) hold the model's own dtype,
-        float32 for a model loaded in fp32, twice an FP16 cache's bytes."""
+        stored as: the tail's parts (and every token of the "fp16" preset) hold the model's own dtype,
+        float32 for a model loaded in fp32, twice an FP16 cache's bytes; an 8-bit tail (`tail_bits=8`)
+        int8 codes and their scales."""
         totals: dict[str, int] = {}
         for layer in self.layers:
             if layer.is_initialized:
@@ -108,7 +109,9 @@ class KittyCache(Cache):
         df = pd.DataFrame({"part": list(totals), "bytes": list(totals.values())})
         df["bytes_per_token"] = df["bytes"] / max(tokens, 1)
         dtype = str(self.layers[0].dtype).removeprefix("torch.") if self.is_initialized else None
-        df["stored_as"] = [_STORED_AS.get(part.removeprefix(SLIDING), dtype) for part in df["part"]]
+        tail = dtype if self.config.tail_bits == 16 else "int8, an fp32 scale a vector"
+        names = [part.removeprefix(SLIDING) for part in df["part"]]
+        df["stored_as"] = [_STORED_AS.get(name, tail if name in TAIL_PARTS else dtype) for name in names]
         return df
 
     def nbytes(self) -> int:

@@ -3,7 +3,9 @@
 A method is a `KittyConfig`. The paper's family (Kitty, arXiv 2511.18643, sections 3-4) is spanned by
 a few fields: the bit widths of keys and values, the fraction of key channels boosted from 2 to 4
 bits, the FP16 sink of the first tokens, the page (quantization group) size and the FP16 local
-window of the newest values. `quantize=False` is the FP16 reference.
+window of the newest values. `quantize=False` is the FP16 reference. One field goes beyond the
+paper: `tail_bits=8` keeps that tail (sink, window, and the keys and values waiting for a page) in
+int8, one scale a vector, half its bytes (`kitty_core/regions.py`).
 
 Spelling used by the CLI and the app: a preset name, optionally followed by overrides joined with
 `+`, e.g. `kitty-pro+selection=random` or `kitty+boost_rate=0.5`.
@@ -26,6 +28,7 @@ class KittyConfig:
     sink: int = 32  # S: the first S tokens of every sequence stay FP16 (keys and values)
     group_size: int = 128  # G: tokens per page; keys get one scale/zero per channel per page
     local_window: int = 128  # R: the newest R values stay FP16
+    tail_bits: int = 16  # the tail (sink, q-buffers, window) as computed (16), or int8 a vector with an fp32 scale (8)
     selection: str = "magnitude"  # how boosted channels are chosen per page: magnitude | random | range | qk
     seed: int = 0  # for selection="random"
     allocation: str = ""  # a calibration file (`kitty_core.calibrate`): boosted channels per layer, same average
@@ -46,6 +49,8 @@ class KittyConfig:
             isinstance(self.group_size, int) and self.group_size >= 4 and self.group_size % 4 == 0,
             "group_size", self.group_size, "a positive multiple of 4 (four 2-bit codes per byte)",
         )
+        _check(self.tail_bits in (8, 16) and (self.quantize or self.tail_bits == 16), "tail_bits", self.tail_bits,
+               "16, or 8 for a quantized method (the FP16 reference keeps every token as computed)")
         _check(self.selection in SELECTION_RULES, "selection", self.selection, f"one of {SELECTION_RULES}")
         _check(not self.allocation or (self.quantize and self.key_bits == 2), "allocation", self.allocation,
                "empty for a method without INT2 keys to boost")

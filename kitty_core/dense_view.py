@@ -49,8 +49,8 @@ class DenseHistory:
         gather and one dequantization for the block instead of one per sequence."""
         c = self.config
         dk, dv = (int(x) for x in self.dropped[:, 0])  # the same in every sequence here
-        keys = [(dk, self.k_sink.buf[rows, :, : self.k_sink.lens[0]])]
-        values = [(dv, self.v_sink.buf[rows, :, : self.v_sink.lens[0]])]
+        keys = [(dk, self.k_sink.block(rows, self.k_sink.lens[0]))]
+        values = [(dv, self.v_sink.block(rows, self.v_sink.lens[0]))]
         if c.quantize:
             g = c.group_size
             for parts, pool, tail, dequant, base in ((keys, self.k_pages, self.k_buffer, dequantize_keys, dk),
@@ -64,7 +64,7 @@ class DenseHistory:
                     per = n_pages - first
                     pages = pages.reshape(-1, per, h, g, d).transpose(1, 2).reshape(-1, h, per * g, d)
                     parts.append((n_sink + first * g, pages))
-                parts.append((n_sink + n_pages * g, tail.buf[rows, :, : tail.lens[0]]))
+                parts.append((n_sink + n_pages * g, tail.block(rows, tail.lens[0])))
         return _join_from(keys, start, dtype), _join_from(values, start, dtype)
 
     def dense_history(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from .layer import FP16_PARTS, KittyLayer
+from .layer import TAIL_PARTS, KittyLayer
 from .reference_engine import ReferenceEngine
 from .config import parse_method
 
@@ -216,8 +216,8 @@ def _cuda_launch(batch: int, kv_heads: int, state: dict, ppp: int | None, stages
 
 def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_heads=32, kv_heads=8, head_dim=128,
                dtype=torch.bfloat16, rounds=5, grid_tokens=None, progress=None, sources=(None,),
-               steps_a_graph=STEPS_A_GRAPH) -> pd.DataFrame:
-    """Per shape and boost rate: the fused step with the CUDA page kernel (`kernels.cuda_decode`, per
+               steps_a_graph=STEPS_A_GRAPH, tail_bits=(16,)) -> pd.DataFrame:
+    """Per shape, boost rate and tail width (`tail_bits`: 16, the FP16 tail; 8, `tail_bits=8`): the fused step with the CUDA page kernel (`kernels.cuda_decode`, per
     pages-per-program and cp.async-stages setting, None: the launch plan's), the Triton fused step
     and SDPA on an FP16 cache forced to cuDNN, as CUDA graphs of `steps_a_graph` calls in a row
     (`graphed`: a replay's launch wait spread over them), timed in `rounds` interleaved
@@ -228,9 +228,9 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
     Beside them, the tail kernel alone (the FP16 sink, q-buffer and value window, which runs beside
     either page kernel) and the FP16 parts' bytes: its share of the step's time against their share
     of the step's bytes; and each CUDA setting's page kernel and combine alone, which with the tail
-    say where the step's time goes. `sources`: the CUDA kernel built from each (None: the shipped
-    source; a path: a variant of it), every setting of each timed in the same rounds, named in
-    `source`."""
+    say where the step's time goes (`fp16_bytes`: the tail's, at its width). `sources`: the CUDA kernel
+    built from each (None: the shipped source; a path: a variant of it), every setting of each timed
+    in the same rounds, named in `source`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kernels import cuda_decode
@@ -245,11 +245,13 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
                 return F.scaled_dot_product_attention(q, k16, v16, scale=scale, enable_gqa=True)
 
         cudnn_g = graphed(cudnn, steps_a_graph)
-        for boost in boosts:
+        for boost, bits in [(boost, bits) for boost in boosts for bits in tail_bits]:
             if progress:
-                per_boost = len(sources) * len(pages_per_program) * len(stages)
-                progress(len(rows) // per_boost, len(shapes) * len(boosts), f"{batch}x{length}, boost {boost:g}")
-            layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
+                per_setting = len(sources) * len(pages_per_program) * len(stages)
+                progress(len(rows) // per_setting, len(shapes) * len(boosts) * len(tail_bits),
+                         f"{batch}x{length}, boost {boost:g}, tail {bits} bits")
+            layer = synthetic_layer(f"kitty+boost_rate={boost}+tail_bits={bits}", batch, length, kv_heads, head_dim,
+                                    dtype)
             state = grid_state(layer, grid_tokens)
             for src in sources:
                 _cuda_kernel_for(layer, q_heads, kv_heads, head_dim, dtype, q.device, src)
@@ -280,12 +282,12 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
             ms = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
             parts = layer.nbytes()
             read = sum(parts.values()) + q.numel() * q.element_size()
-            fp16 = sum(parts[name] for name in FP16_PARTS)
+            fp16 = sum(parts[name] for name in TAIL_PARTS)
             for src, ppp, st in runs:
                 launch, t = _cuda_launch(batch, kv_heads, state, ppp, st), ms[src, ppp, st]
                 rows.append({
                     "batch": batch, "length": length, "grid_tokens": grid_tokens or length, "boost_rate": boost,
-                    "ppp": launch["ppp"], "stages": launch["stages"],
+                    "tail_bits": bits, "ppp": launch["ppp"], "stages": launch["stages"],
                     "cuda_ms": t, "triton_ms": ms["triton"], "cudnn_ms": ms["cudnn"],
                     "cuda_vs_cudnn": ms["cudnn"] / t, "triton_vs_cudnn": ms["cudnn"] / ms["triton"],
                     "cuda_vs_triton": ms["triton"] / t, "packed_bytes": read,

@@ -40,7 +40,7 @@ from .hf import LEFT_PADDING, PendingKV, leading_pads
 from .page_pool import PagePool
 from .quant import quantize_keys, quantize_values
 from .reference_engine import ReferenceEngine
-from .regions import Fp16Region, fill_and_pack
+from .regions import TailRegion
 from .rollback import Rollback
 from .sharding import on_device
 
@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     from .cache import KittyCache
 
 SLIDING = "sliding window: "  # the memory report's parts of sliding-window layers
-# the memory report's parts kept in FP16 (the tail a decode step reads beside the packed pages)
-FP16_PARTS = ("key sink", "value sink", "key q_buffer", "value window + q_buffer")
+# the memory report's tail parts (FP16, or 8 bits with tail_bits=8): what a decode step reads beside the pages
+TAIL_PARTS = ("key sink", "value sink", "key q_buffer", "value window + q_buffer")
 
 
 class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
@@ -99,7 +99,8 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
         self.pad = [0] * b
         # the oldest real tokens of each sequence a sliding layer no longer holds: keys, values
         self.dropped = np.zeros((2, b), dtype=np.int64)
-        mk = lambda cap, grow=False: Fp16Region(b, h, d, self.dtype, self.device, cap, grow)  # noqa: E731
+        bits = c.tail_bits if c.quantize else 16
+        mk = lambda cap, grow=False: TailRegion(b, h, d, self.dtype, self.device, cap, grow, bits)  # noqa: E731
         if not c.quantize:  # FP16 reference: one growing region per side, nothing else
             self.k_sink, self.v_sink = mk(64, True), mk(64, True)
             self.k_buffer = self.v_window = None
@@ -280,13 +281,13 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
             return
         if not any(self.pad):
             if self.k_buffer.lens[0] >= c.group_size or self.v_window.lens[0] >= c.local_window + c.group_size:
-                nothing = self.k_buffer.buf[:, :, :0]
+                nothing = self._no_tokens(self.batch)
                 self._insert_all(nothing, nothing, pack=True)
             return
         g, r = c.group_size, c.local_window
         for b in range(self.batch):  # more than one token past a page boundary: the general path
             if self.k_buffer.lens[b] > g or self.v_window.lens[b] > r + g:
-                nothing = self.k_buffer.buf[b, :, :0]
+                nothing = self._no_tokens()
                 self._insert(b, nothing, nothing, pack=True)
         keys = [b for b in range(self.batch) if self.k_buffer.lens[b] == g]
         values = [b for b in range(self.batch) if self.v_window.lens[b] == r + g]
@@ -298,7 +299,7 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
             if c.selection == "qk":
                 idx = torch.tensor(keys, device=dev)
                 rms = (self.q_energy[idx] / self.q_count[idx].clamp_min(1)).sqrt()
-            pages = self.k_buffer.buf[torch.tensor(keys, device=dev)]  # [n, H, G, D]
+            pages = self.k_buffer.block(torch.tensor(keys, device=dev), g)  # [n, H, G, D]
             self.k_pages.add_rows(keys, self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator, rms))
             for b in keys:
                 self.k_buffer.clear(b)
@@ -306,11 +307,14 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
             idx = torch.tensor(values, device=self.device)
             for b in values:
                 self._dirty(b, self.dropped[1, b] + self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
-            window = self.v_window.buf[idx]  # [n, H, R + G, D]
-            self.v_pages.add_rows(values, self.engine.quantize_values(window[:, :, :g], c.value_bits))
-            self.v_window.buf[idx, :, :r] = window[:, :, g:]
+            self.v_pages.add_rows(values, self.engine.quantize_values(self.v_window.block(idx, g), c.value_bits))
+            self.v_window.shift_down(idx, g, r)
             for b in values:
                 self.v_window.lens[b] = r
+
+    def _no_tokens(self, *batch: int) -> torch.Tensor:
+        """Zero tokens [*batch, H, 0, D] in the model's dtype: an insert that only packs."""
+        return torch.empty((*batch, self.heads, 0, self.head_dim), dtype=self.dtype, device=self.device)
 
     def reserve(self, tokens: int) -> None:
         """Room for `tokens` tokens per sequence in the page pools and tables (their `capacity`), so
@@ -339,7 +343,8 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor of this layer that a decode step reads or writes (what its CUDA graphs hold)."""
-        regions = [r.buf for r in (self.k_sink, self.v_sink, self.k_buffer, self.v_window) if r is not None]
+        regions = [t for r in (self.k_sink, self.v_sink, self.k_buffer, self.v_window) if r is not None
+                   for t in r.tensors()]
         pools = [t for pool in (self.k_pages, self.v_pages) if pool.store for t in pool.store.values()]
         tables = [self.k_pages.device_ids, self.v_pages.device_ids, self.k_pages.device_n, self.v_pages.device_n]
         return regions + pools + tables + [self.q_energy, self.q_count]
@@ -420,29 +425,22 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
             self.v_window.append(b, v)
             return
         g = c.group_size
-        # keys: fill the q_buffer; every G tokens become one page (several at once in a prefill)
-        buffered = self.k_buffer.tokens(b)
-        if buffered.shape[1]:
-            k = torch.cat([buffered, k], dim=1)
-            self.k_buffer.clear(b)
-        full = k.shape[1] // g * g
-        if full:
+
+        def pack_keys(x):  # [H, N * G, D]: every G keys become one page (several at once in a prefill)
             self._dirty(b, self.dropped[0, b] + self.k_sink.lens[b] + self.k_pages.pages_of(b) * g)
-            pages = k[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)  # [N, H, G, D]
+            pages = x.reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)  # [N, H, G, D]
             self.k_pages.add(b, self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator,
                                                           self._query_rms(b)))
-            self._record_packed("k", b, k[:, :full], self.k_pages.pages_of(b))
-        self.k_buffer.append(b, k[:, full:])
-        # values: the window keeps the newest R; older ones wait in the q_buffer until G of them
-        window = torch.cat([self.v_window.tokens(b), v], dim=1)
-        self.v_window.clear(b)
-        full = max(window.shape[1] - c.local_window, 0) // g * g
-        if full:
+            self._record_packed("k", b, x, self.k_pages.pages_of(b))
+
+        def pack_values(x):
             self._dirty(b, self.dropped[1, b] + self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
-            pages = window[:, :full].reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)
+            pages = x.reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)
             self.v_pages.add(b, self.engine.quantize_values(pages, c.value_bits))
-            self._record_packed("v", b, window[:, :full], self.v_pages.pages_of(b))
-        self.v_window.append(b, window[:, full:])
+            self._record_packed("v", b, x, self.v_pages.pages_of(b))
+
+        self.k_buffer.fill(b, k, 0, g, pack_keys)  # keys: the q-buffer packs whole pages
+        self.v_window.fill(b, v, c.local_window, g, pack_values)  # values: the window keeps the newest R
 
     def _insert_all(self, k: torch.Tensor, v: torch.Tensor, pack: bool = True) -> None:
         """`_insert` for every sequence at once: k, v [B, H, n, D], all sequences in the same state."""
@@ -474,8 +472,8 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
             self.v_pages.add_all(self.engine.quantize_values(as_pages(x), c.value_bits))
             self._record_packed("v", None, x, self.v_pages.pages_of(0))
 
-        fill_and_pack(self.k_buffer, k, 0, g, pack_keys)  # keys: every G tokens become a page
-        fill_and_pack(self.v_window, v, c.local_window, g, pack_values)  # values: the newest R stay
+        self.k_buffer.fill_all(k, 0, g, pack_keys)  # keys: every G tokens become a page
+        self.v_window.fill_all(v, c.local_window, g, pack_values)  # values: the newest R stay
 
     def _query_rms_all(self, pages_per_sequence: int) -> torch.Tensor | None:
         if self.config.selection != "qk":
@@ -507,6 +505,9 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
             "k_pages": store(self.k_pages, "k"), "v_pages": store(self.v_pages, "v"),
             "k_sink": self.k_sink.buf, "v_sink": self.v_sink.buf,
             "k_buffer": self.k_buffer.buf, "v_window": self.v_window.buf,
+            # an 8-bit tail's scales, one per token of each region (None: the regions hold 16-bit tokens)
+            "tail_scales": None if self.k_sink.scale is None else
+            (self.k_sink.scale, self.v_sink.scale, self.k_buffer.scale, self.v_window.scale),
         }
 
     def page_tables(self) -> dict:
@@ -516,8 +517,8 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
                 "k_table": self.k_pages.device_ids, "v_table": self.v_pages.device_ids}
 
     def nbytes(self) -> dict[str, int]:
-        """Stored bytes of this layer by part (FP16_PARTS: those kept in FP16, the packed pages' after)."""
-        k_sink, v_sink, k_buffer, v_window = FP16_PARTS
+        """Stored bytes of this layer by part (TAIL_PARTS, then the packed pages')."""
+        k_sink, v_sink, k_buffer, v_window = TAIL_PARTS
         parts = {k_sink: self.k_sink.nbytes(), v_sink: self.v_sink.nbytes()}
         if self.config.quantize:
             parts[k_buffer] = self.k_buffer.nbytes()

@@ -1,8 +1,9 @@
 """The byte budget of a method on a model: what each token costs, and what fits in a memory budget.
 
 Paged tokens cost `KittyConfig.token_bytes` per KV head (the page format of kernels/pages.py); FP16 tokens
-cost 4D bytes (key and value). Beside its pages a sequence holds at most S + G FP16 keys (sink,
-q-buffer) and S + R + G FP16 values (sink, local window, q-buffer).
+cost 4D bytes (key and value). Beside its pages a sequence holds at most S + G tail keys (sink,
+q-buffer) and S + R + G tail values (sink, local window, q-buffer): 2 bytes an element in FP16, or
+1 and a 4-byte scale a vector in 8 bits (`tail_bits=8`).
 """
 
 from __future__ import annotations
@@ -12,13 +13,19 @@ import pandas as pd
 from .config import KittyConfig, parse_method
 
 
-def fp16_bytes_per_sequence(config: KittyConfig, head_dim: int) -> int:
-    """Most FP16 bytes per KV head a sequence holds beside its pages: S + G keys (sink, q-buffer)
-    and S + R + G values (sink, window, q-buffer), 2 bytes per element."""
+def tail_vector_bytes(config: KittyConfig, head_dim: int) -> int:
+    """Bytes of one tail vector (a token's key or value, one head): 2 an element in FP16; in 8 bits
+    1 an element and its fp32 scale (`kitty_core.regions`)."""
+    return 2 * head_dim if config.tail_bits == 16 else head_dim + 4
+
+
+def tail_bytes_per_sequence(config: KittyConfig, head_dim: int) -> int:
+    """Most tail bytes per KV head a sequence holds beside its pages: S + G keys (sink, q-buffer)
+    and S + R + G values (sink, window, q-buffer)."""
     if not config.quantize:
         return 0
     s, g, r = config.sink, config.group_size, config.local_window
-    return 2 * head_dim * ((s + g) + (s + r + g))
+    return tail_vector_bytes(config, head_dim) * ((s + g) + (s + r + g))
 
 
 def layout_segments(config: KittyConfig, n_tokens: int) -> pd.DataFrame:
@@ -33,10 +40,12 @@ def layout_segments(config: KittyConfig, n_tokens: int) -> pd.DataFrame:
     rest = n_tokens - sink
     kbits = 4 if config.key_bits == 4 else 2 + 2 * config.boost_rate
     k_pages, v_pages = rest // g, max(rest - r, 0) // g
+    t, tbits = ("FP16", 16) if config.tail_bits == 16 else ("INT8", 8)
     segments = {
-        "keys": [("sink (FP16)", sink, 16), ("pages", k_pages * g, kbits), ("q-buffer (FP16)", rest - k_pages * g, 16)],
-        "values": [("sink (FP16)", sink, 16), ("pages", v_pages * g, config.value_bits),
-                   ("q-buffer + local window (FP16)", rest - v_pages * g, 16)],
+        "keys": [(f"sink ({t})", sink, tbits), ("pages", k_pages * g, kbits),
+                 (f"q-buffer ({t})", rest - k_pages * g, tbits)],
+        "values": [(f"sink ({t})", sink, tbits), ("pages", v_pages * g, config.value_bits),
+                   (f"q-buffer + local window ({t})", rest - v_pages * g, tbits)],
     }
     for side, parts in segments.items():
         start = 0
@@ -58,7 +67,7 @@ def memory_table(shape: dict, methods, budget_gib: float = 80.0, context: int = 
         c = parse_method(m)
         tb = c.token_bytes(d)
         per_token = (tb["payload"] + tb["metadata"]) * layers * heads
-        fixed = fp16_bytes_per_sequence(c, d) * layers * heads
+        fixed = tail_bytes_per_sequence(c, d) * layers * heads
         per_sequence = fixed + context * per_token
         longest = int(max(budget - fixed, 0) // per_token)
         rows.append({

@@ -41,7 +41,8 @@ LENS = [3, SINK + GROUP // 2, SINK + 2 * GROUP + 5, SINK + 3 * GROUP, SINK + 4 *
 SMALL = f"+sink={SINK}+group_size={GROUP}+local_window={GROUP}"
 
 
-@pytest.mark.parametrize("spec", ["kivi-k2v2-sink", "kitty", "kitty-pro", "k4v2-sink", "k2v4-sink", "kivi-k2v2"])
+@pytest.mark.parametrize("spec", ["kivi-k2v2-sink", "kitty", "kitty-pro", "k4v2-sink", "k2v4-sink", "kivi-k2v2",
+                                  "kitty-pro+tail_bits=8"])
 def test_fused_decode_matches_reference(spec):
     from kernels.decode import decode_attention, decode_attention_reference
     from kernels.decode_unfused import decode_attention_unfused
@@ -88,18 +89,20 @@ def test_fused_decode_for_every_gqa_group_size(rep):
         torch.testing.assert_close(decode_attention(layer, q, 0.25, pages_per_program=ppp), ref, atol=5e-3, rtol=1e-2)
 
 
-def test_a_token_the_kernels_write_gives_the_output_of_one_inserted_before_them():
+@pytest.mark.parametrize("tail", ["", "+tail_bits=8"])
+def test_a_token_the_kernels_write_gives_the_output_of_one_inserted_before_them(tail):
     """`new=`: a device-driven step hands its token to the kernels, which write it into the key
     q-buffer and the value window and attend to it. The output equals, bit for bit, that of the same
-    token inserted first (the host's steps), and so do the buffers. A grid that spans more page slots
-    than the sequences hold (a device step's, sized by the capacity) gives the same output."""
+    token inserted first (the host's steps), and so do the buffers (an 8-bit tail's codes and scales:
+    the kernel quantizes the token as the host does). A grid that spans more page slots than the
+    sequences hold (a device step's, sized by the capacity) gives the same output."""
     import copy
 
     from kernels.decode import decode_attention
 
     # the new token: mid-slot, first of a slot, a q-buffer's last, after a few pages
     lens = [SINK + 5, SINK + GROUP + 1, SINK + 2 * GROUP, SINK + 3 * GROUP + GROUP // 2]
-    before = _layer("kitty-pro" + SMALL, [n - 1 for n in lens], seed=3)
+    before = _layer("kitty-pro" + SMALL + tail, [n - 1 for n in lens], seed=3)
     before.pack_full()  # as the host leaves it after each step
     k = torch.randn(len(lens), 2, 1, DIM, device=DEVICE) * 2
     v = torch.randn_like(k)
@@ -113,10 +116,12 @@ def test_a_token_the_kernels_write_gives_the_output_of_one_inserted_before_them(
     wide = copy.deepcopy(before)
     got = decode_attention(before, q, 0.25, state=state, new=(k, v, write))
     assert torch.equal(got, want)
-    for b, n in enumerate(after.k_buffer.lens):
-        assert torch.equal(before.k_buffer.buf[b, :, :n], after.k_buffer.buf[b, :, :n])
-    for b, n in enumerate(after.v_window.lens):
-        assert torch.equal(before.v_window.buf[b, :, :n], after.v_window.buf[b, :, :n])
+    for region in ("k_buffer", "v_window"):
+        mine, host = getattr(before, region), getattr(after, region)
+        assert len(mine.tensors()) == (2 if tail else 1)
+        for b, n in enumerate(host.lens):
+            for x, y in zip(mine.tensors(), host.tensors()):
+                assert torch.equal(x[b, :, :n], y[b, :, :n])
     spanning = dict(wide.kernel_state(), lens=state["lens"], max_slots=state["max_slots"] + 5)
     torch.testing.assert_close(decode_attention(wide, q, 0.25, state=spanning, new=(k, v, write)), want,
                                atol=1e-6, rtol=1e-6)
