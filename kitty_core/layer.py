@@ -8,14 +8,16 @@ Per layer, every sequence b of the batch owns (n_b = real tokens it has seen; pa
           window    FP16 [H, < R + G, D]         the local window of the newest R values, plus the
                                                   value q_buffer of tokens that left it (oldest first)
           pages     ValuePages, G tokens each
-Every step inserts the new tokens after attention has used them in FP16, and packs a buffer into a
-page as soon as it holds G tokens, so a layer packs at most once every G decode steps.
+The FP16 parts (the tail) hold the model's dtype, or int8 with a scale a vector under `tail_bits=8`
+(`regions.py`). Every step inserts the new tokens after attention has used them in FP16, and packs
+a buffer into a page as soon as it holds G tokens, so a layer packs at most once every G decode
+steps.
 
 Sequences of a left-padded batch are independent: each has its own sink, buffers and page
 boundaries. The padded layout that transformers' masks expect is kept by right-aligning every
 sequence's history when an engine needs it dense.
 
-The state lives in tensors shared by all sequences ([B, H, cap, D] FP16 regions of `regions.py`,
+The state lives in tensors shared by all sequences ([B, H, cap, D] tail regions of `regions.py`,
 page pools of `page_pool.py`) plus per-sequence integer counters; an engine (`reference_engine.py`,
 or the Triton engine of `triton_engine.py` over the kernels in `kernels/`) reads it to attend. The
 layer's other jobs have their own modules: the history read back dense (`dense_view.py`), a rollback

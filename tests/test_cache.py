@@ -377,7 +377,8 @@ def _same_state(a, b):
 
 
 @pytest.mark.parametrize("spec", ["kitty-pro+sink=4+group_size=8+local_window=8",
-                                  "kivi-k2v2+sink=4+group_size=8+local_window=0", "fp16"])
+                                  "kivi-k2v2+sink=4+group_size=8+local_window=0", "fp16",
+                                  "kitty-pro+sink=4+group_size=8+local_window=8+tail_bits=8"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_crop_rolls_a_forward_back_as_if_it_had_been_shorter(spec, padded):
     """A forward of 6 tokens that packs a page (of keys; of values too without a local window), cut
