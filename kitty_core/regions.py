@@ -22,7 +22,7 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale max|x| / 127 of each vector; an all-zero vector has scale 0 and codes 0. The decode kernel
     that writes a step's token computes the same numbers (`kernels/state._store_token`)."""
     xf = x.float()
-    scale = xf.abs().amax(-1) * (1.0 / INT8_STEPS)  # a product: the same on CPU, CUDA and in the kernel
+    scale = xf.abs().amax(-1) / INT8_STEPS
     codes = torch.round(xf / scale.clamp_min(1e-30)[..., None]).clamp_(-INT8_STEPS, INT8_STEPS)
     return codes.to(torch.int8), scale
 
