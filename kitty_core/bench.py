@@ -150,6 +150,12 @@ def refusal(a) -> str | None:
     if getattr(a, "tp", False) and not all(v in os.environ for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
         return (f"--tp runs one process per GPU, started by torchrun: torchrun --nproc-per-node 2 -m "
                 f"kitty_core.bench {a.what} --tp ... (or --device-map auto in one process)")
+    if getattr(a, "tail_bits", "16") != "16":
+        widths = a.tail_bits.split(",")
+        if not a.cuda:
+            return "--tail-bits applies to the CUDA comparison: give it with --cuda"
+        if not widths or any(w not in ("16", "8") for w in widths):
+            return f"--tail-bits takes 16, 8 or 16,8 (the tail's width), not {a.tail_bits!r}"
     if getattr(a, "launch_once", False) and not a.cuda:
         return "--launch-once launches the CUDA page kernel: give it with --cuda"
     if getattr(a, "launch_once", False):
@@ -431,15 +437,16 @@ def run_kernels(a) -> int:
         ppps = [int(x) for x in a.ppp.split(",")] if a.ppp else [None]
         stages = [int(x) for x in a.stages.split(",")] if a.stages else [None]
         sources = (None, *variant_files(a.variants)) if a.variants else (None,)
+        tail_bits = [int(x) for x in a.tail_bits.split(",")]
         if a.launch_once:
             launches = launch_cuda_once(shapes, [float(x) for x in a.boost.split(",")], ppps, stages,
-                                        grid_tokens=a.grid_tokens, sources=sources)
+                                        grid_tokens=a.grid_tokens, sources=sources, tail_bits=tail_bits)
             print(launches.to_string(index=False), flush=True)
             return 0
         with progress_bar("kernels", "setting") as progress:
             df = bench_cuda(shapes, [float(x) for x in a.boost.split(",")], ppps, stages,
                             rounds=a.rounds or 5, grid_tokens=a.grid_tokens, progress=progress, sources=sources,
-                            steps_a_graph=steps, tail_bits=[int(x) for x in a.tail_bits.split(",")])
+                            steps_a_graph=steps, tail_bits=tail_bits)
         if a.out:
             write_csv(a.out, df.assign(device=torch.cuda.get_device_name(), torch=torch.__version__))
         return 0

@@ -99,19 +99,23 @@ class KittyCache(Cache):
         """Stored bytes by part, summed over layers, with bytes per real token and what each part is
         stored as: the tail's parts (and every token of the "fp16" preset) hold the model's own dtype,
         float32 for a model loaded in fp32, twice an FP16 cache's bytes; an 8-bit tail (`tail_bits=8`)
-        int8 codes and their scales."""
+        int8 codes and their scales. A part stored differently in different layers names each way."""
         totals: dict[str, int] = {}
+        stored: dict[str, set[str]] = {}
         for layer in self.layers:
             if layer.is_initialized:
+                dtype = str(layer.dtype).removeprefix("torch.")
+                tail = dtype if layer.k_sink.scale is None else "int8, an fp32 scale a vector"
                 for part, n in layer.nbytes().items():
                     totals[part] = totals.get(part, 0) + n
+                    name = part.removeprefix(SLIDING)
+                    stored.setdefault(part, set()).add(_STORED_AS.get(name, tail if name in TAIL_PARTS else dtype))
         tokens = sum(self.layers[0].tokens(b) for b in range(self.layers[0].batch)) if self.is_initialized else 0
         df = pd.DataFrame({"part": list(totals), "bytes": list(totals.values())})
         df["bytes_per_token"] = df["bytes"] / max(tokens, 1)
-        dtype = str(self.layers[0].dtype).removeprefix("torch.") if self.is_initialized else None
-        tail = dtype if self.config.tail_bits == 16 else "int8, an fp32 scale a vector"
-        names = [part.removeprefix(SLIDING) for part in df["part"]]
-        df["stored_as"] = [_STORED_AS.get(name, tail if name in TAIL_PARTS else dtype) for name in names]
+        # a part's storage in every layer that holds it: an 8-bit tail's full-precision layers (the
+        # "fp16_layers", a short sliding window) keep the model's dtype beside the others' int8
+        df["stored_as"] = [" or ".join(sorted(stored[part])) for part in df["part"]]
         return df
 
     def nbytes(self) -> int:

@@ -111,11 +111,13 @@ def fp16_step(batch: int, length: int, q_heads: int, kv_heads: int, head_dim: in
     return q, k, torch.randn_like(k), head_dim**-0.5
 
 
-def packed_step(shape, boost: float, q_heads: int, kv_heads: int, head_dim: int, dtype):
-    """A decode step over packed pages: a `synthetic_layer` of kitty at `boost` holding `shape`
-    (batch, length), a random query [batch, q_heads, 1, D] on the GPU and the attention scale."""
+def packed_step(shape, boost: float, q_heads: int, kv_heads: int, head_dim: int, dtype, tail_bits: int = 16):
+    """A decode step over packed pages: a `synthetic_layer` of kitty at `boost` (its tail `tail_bits`
+    wide) holding `shape` (batch, length), a random query [batch, q_heads, 1, D] on the GPU and the
+    attention scale."""
     batch, length = shape
-    layer = synthetic_layer(f"kitty+boost_rate={boost}", batch, length, kv_heads, head_dim, dtype)
+    layer = synthetic_layer(f"kitty+boost_rate={boost}+tail_bits={tail_bits}", batch, length, kv_heads, head_dim,
+                            dtype)
     return layer, torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=dtype), head_dim**-0.5
 
 
@@ -217,11 +219,11 @@ def _cuda_launch(batch: int, kv_heads: int, state: dict, ppp: int | None, stages
 def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_heads=32, kv_heads=8, head_dim=128,
                dtype=torch.bfloat16, rounds=5, grid_tokens=None, progress=None, sources=(None,),
                steps_a_graph=STEPS_A_GRAPH, tail_bits=(16,)) -> pd.DataFrame:
-    """Per shape, boost rate and tail width (`tail_bits`: 16, the FP16 tail; 8, `tail_bits=8`): the fused step with the CUDA page kernel (`kernels.cuda_decode`, per
-    pages-per-program and cp.async-stages setting, None: the launch plan's), the Triton fused step
-    and SDPA on an FP16 cache forced to cuDNN, as CUDA graphs of `steps_a_graph` calls in a row
-    (`graphed`: a replay's launch wait spread over them), timed in `rounds` interleaved
-    rounds (the median of the rounds' medians); the packed bytes each step reads and both outputs'
+    """Per shape, boost rate and tail width (`tail_bits`: 16, the FP16 tail; 8, `tail_bits=8`): the
+    fused step with the CUDA page kernel (`kernels.cuda_decode`, per pages-per-program and
+    cp.async-stages setting, None: the launch plan's), the Triton fused step and SDPA on an FP16 cache
+    forced to cuDNN, as CUDA graphs of `steps_a_graph` calls in a row (`graphed`: a replay's launch
+    wait spread over them), timed in `rounds` interleaved rounds (the median of the rounds' medians); the packed bytes each step reads and both outputs'
     largest difference from the reference. `grid_tokens`: both page kernels' grids sized for
     sequences of that many tokens, as the step of a CUDA graph over a cache of that capacity is
     (`KittyLayer.capacity_slots`; None: for the shape's length). cuDNN reads the shape's length.
@@ -309,18 +311,19 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
 
 
 def launch_cuda_once(shapes, boosts, pages_per_program=(None,), stages=(None,), q_heads=32, kv_heads=8,
-                     head_dim=128, dtype=torch.bfloat16, grid_tokens=None, sources=(None,)) -> pd.DataFrame:
-    """Per shape, boost rate and launch setting: the fused step with the CUDA page kernel launched
+                     head_dim=128, dtype=torch.bfloat16, grid_tokens=None, sources=(None,),
+                     tail_bits=(16,)) -> pd.DataFrame:
+    """Per shape, boost rate, tail width and launch setting: the fused step with the CUDA page kernel launched
     once, eagerly and untimed, and nothing else that reads pages (no Triton page kernel, no cuDNN):
     a process for a profiler to attach to, `ncu --kernel-name regex:pages_kernel ...` (`docs/engine.md`).
-    `sources`: as for `bench_cuda`. Returns the launches (shape, boost, pages per program, stages,
-    programs, and the source where variants are given)."""
+    `sources`, `tail_bits`: as for `bench_cuda`. Returns the launches (shape, boost, tail width, pages
+    per program, stages, programs, and the source where variants are given)."""
     from kernels import cuda_decode
 
     rows = []
     for batch, length in shapes:
-        for boost in boosts:
-            layer, q, scale = packed_step((batch, length), boost, q_heads, kv_heads, head_dim, dtype)
+        for boost, bits in [(boost, bits) for boost in boosts for bits in tail_bits]:
+            layer, q, scale = packed_step((batch, length), boost, q_heads, kv_heads, head_dim, dtype, bits)
             state = grid_state(layer, grid_tokens)
             for src in sources:
                 _cuda_kernel_for(layer, q_heads, kv_heads, head_dim, dtype, q.device, src)
@@ -329,7 +332,7 @@ def launch_cuda_once(shapes, boosts, pages_per_program=(None,), stages=(None,), 
                         cuda_decode.decode_attention(layer, q, scale, {}, state, ppp, stages=st, source=src)
                         torch.cuda.synchronize()
                         rows.append({"batch": batch, "length": length, "grid_tokens": grid_tokens or length,
-                                     "boost_rate": boost, **_cuda_launch(batch, kv_heads, state, ppp, st),
+                                     "boost_rate": boost, "tail_bits": bits, **_cuda_launch(batch, kv_heads, state, ppp, st),
                                      **({"source": source_name(src)} if any(sources) else {})})
             del layer, state, q
             torch.cuda.empty_cache()

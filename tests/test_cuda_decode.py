@@ -162,11 +162,13 @@ def test_a_launch_for_a_profiler_runs_the_cuda_page_kernel_and_no_other_page_ker
     from kitty_core.kernel_bench import launch_cuda_once
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        launches = launch_cuda_once([(2, 2000)], [0.25], pages_per_program=(4, None), stages=(1,))
+        launches = launch_cuda_once([(2, 2000)], [0.25], pages_per_program=(4, None), stages=(1,),
+                                    tail_bits=(16, 8))
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-    assert sum(re.search(r"\bkitty::(\(anonymous namespace\)::)?pages_kernel<", n) is not None for n in names) == 2, names
+    assert sum(re.search(r"\bkitty::(\(anonymous namespace\)::)?pages_kernel<", n) is not None for n in names) == 4, names
     assert not any("_decode_pages_kernel" in n for n in names), names
-    assert launches["ppp"].tolist()[0] == 4 and launches["stages"].tolist() == [1, 1]
+    assert launches["ppp"].tolist()[::2] == [4, 4] and launches["stages"].tolist() == [1] * 4
+    assert launches["tail_bits"].tolist() == [16, 16, 8, 8]
     assert (launches["programs"] > 0).all()
 
 

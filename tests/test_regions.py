@@ -97,3 +97,22 @@ def test_an_8_bit_tail_halves_the_tail_in_the_memory_model_and_the_cache():
         assert parts["kitty-pro+tail_bits=8"].bytes[part] * 4 * d == parts["kitty-pro"].bytes[part] * (d + 4)
         assert parts["kitty-pro+tail_bits=8"].stored_as[part].startswith("int8")
     assert parts["kitty-pro+tail_bits=8"].bytes["value planes"] == parts["kitty-pro"].bytes["value planes"]
+
+
+def test_the_memory_report_names_each_layers_storage_of_the_tail():
+    """Layers kept in full precision (`fp16_layers`) hold their tail in the model's dtype beside the
+    other layers' int8: the report says both, and the bytes are each layer's own."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 200, (1, 300))
+    reports = {}
+    for layers in ((), (0,)):
+        cache = KittyCache(model, "kitty-pro+tail_bits=8", fp16_layers=layers)
+        with torch.inference_mode():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        reports[layers] = cache.memory_report().set_index("part")
+    assert reports[()].stored_as["key sink"] == "int8, an fp32 scale a vector"
+    assert reports[(0,)].stored_as["key sink"] == "float32 or int8, an fp32 scale a vector"
+    assert reports[(0,)].stored_as["key dense plane"] == "2-bit codes"
+    # the full-precision layer's "sink" holds all 300 tokens in fp32; the other keeps its int8 sink
+    heads, d = model.config.num_key_value_heads, 16
+    assert reports[(0,)].bytes["key sink"] == reports[()].bytes["key sink"] // 2 + 300 * heads * d * 4
