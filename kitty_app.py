@@ -54,6 +54,7 @@ def gpu_lock() -> threading.Lock:
     return threading.Lock()
 
 
+TAILS = {"model's dtype": 16, "8-bit": 8}  # the sidebar's tail choices: their `tail_bits`
 ALL_GPUS = "all GPUs"  # the device choice, where several are visible, of a model split by layers over them
 
 
@@ -151,7 +152,13 @@ def sidebar() -> Frame:
     boost = sb.slider("Boost rate (key channels at 4 bits)", 0.0, 1.0, step=0.0625,
                       disabled=not config.quantize or config.key_bits == 4,
                       **_kept("sb_boost", float(config.boost_rate)))
+    tail = sb.radio("Tail (sink, q-buffer, window)", list(TAILS), horizontal=True, disabled=not config.quantize,
+                    help="The tokens kept beside the pages: in the model's dtype as the paper keeps them, or int8 "
+                    "on a scale a vector (`tail_bits=8`): about half their bytes, a few percent more batch; "
+                    "docs/engine.md measures its accuracy and speed", **_kept("sb_tail", next(iter(TAILS))))
     method = preset if boost == config.boost_rate else f"{preset}+boost_rate={boost:g}"
+    if config.quantize and TAILS[tail] != config.tail_bits:
+        method += f"+tail_bits={TAILS[tail]}"
     source = sb.radio("Prompt source", ["Genesis (KJV, shipped)", "My text"], horizontal=True,
                       **_kept("sb_source", "Genesis (KJV, shipped)"))
     text = TEXT.read_text() if source.startswith("Genesis") else sb.text_area("Text", height=150,

@@ -59,12 +59,27 @@ def test_boost_dial_changes_the_method():
     assert "kitty-pro+boost_rate=0.5" in json.dumps(chart(at, 1)["layout"]["title"])
 
 
+def test_the_tail_choice_changes_the_method():
+    """The 8-bit tail reaches every page through the method: the Overview's table gets a row for it,
+    whose pages cost what kitty-pro's do and whose smaller tail fits more sequences, and its layout
+    draws an int8 sink."""
+    at = run("app.py")
+    at.sidebar.radio(key="sb_tail").set_value("8-bit").run()
+    assert not at.exception
+    table = at.dataframe[0].value.set_index("method")
+    assert table.loc["kitty-pro+tail_bits=8", "bytes_per_token"] == table.loc["kitty-pro", "bytes_per_token"]
+    assert table.loc["kitty-pro+tail_bits=8", "max_batch"] > table.loc["kitty-pro", "max_batch"]
+    assert {t["name"] for t in chart(at)["data"]} >= {"sink (INT8)", "pages"}
+    at.sidebar.selectbox(key="sb_method").set_value("fp16").run()
+    assert at.sidebar.radio(key="sb_tail").disabled and "fp16" in set(at.dataframe[0].value["method"])
+
+
 def test_bad_inputs_show_errors_not_exceptions():
     at = run("app.py")
     at.sidebar.text_input[0].set_value("/nowhere/model").run()
     assert not at.exception and "looks like a path" in at.error[0].value
     at = run("pages/1_Key_statistics.py")
-    at.sidebar.radio[0].set_value("My text").run()
+    at.sidebar.radio(key="sb_source").set_value("My text").run()
     assert not at.exception and "empty" in at.warning[0].value
 
 
@@ -98,7 +113,7 @@ def test_generations_page_runs_a_short_prompt_and_rejects_bad_ones():
     at.text_area[0].set_value("   ").run()
     assert not at.exception and "empty" in at.error[0].value
     at = run("pages/4_Generations.py")
-    at.sidebar.radio[0].set_value("My text").run()
+    at.sidebar.radio(key="sb_source").set_value("My text").run()
     at.sidebar.text_area[0].set_value("In the beginning.").run()
     assert not at.exception and "were asked for" in at.error[0].value
 

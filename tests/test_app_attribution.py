@@ -67,6 +67,6 @@ def test_a_bad_input_shows_an_error():
     at = run()
     at.radio[0].set_value("run on the loaded model").run()
     assert not at.exception and "progress bar" in at.info[0].value
-    at.sidebar.radio[0].set_value("My text").run()  # an empty text box
+    at.sidebar.radio(key="sb_source").set_value("My text").run()  # an empty text box
     at.button[0].click().run()
     assert not at.exception and "the text has 0 tokens" in at.error[0].value
