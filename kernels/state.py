@@ -143,13 +143,14 @@ def _kv_scales(X, XS, base, s_t, count, T: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _store_token(X, XS, at, x, D: tl.constexpr):
     """Store one token x [D] (as loaded, the model's dtype) at element offset `at` of a tail buffer,
-    as the buffer stores it: as it is, or (int8) codes round(x / s) on s = max|x| / 127, ties to
-    even, with s at XS + at / D: the numbers `kitty_core.regions.quantize_tokens` computes."""
+    as the buffer stores it: as it is, or (int8) codes round(x / s) on s = max|x| x (1 / 127), ties
+    to even, with s at XS + at / D: the numbers `kitty_core.regions.quantize_tokens` computes, bit
+    for bit (the division correctly rounded, as torch's: Triton's `/` is approximate on a GPU)."""
     d = tl.arange(0, D)
     if X.dtype.element_ty == tl.int8:
         y = x.to(tl.float32)
-        s = tl.max(tl.abs(y), 0) / 127.0
-        y = y / tl.maximum(s, 1e-30)
+        s = tl.max(tl.abs(y), 0) * (1.0 / 127.0)
+        y = tl.math.div_rn(y, tl.maximum(s, 1e-30))
         y = (y + 12582912.0) - 12582912.0  # round to nearest even (|y| <= 127 < 2^22)
         tl.store(X + at + d, tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8))
         tl.store(XS + at // D, s)

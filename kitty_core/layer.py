@@ -428,18 +428,18 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
             return
         g = c.group_size
 
-        def pack_keys(x):  # [H, N * G, D]: every G keys become one page (several at once in a prefill)
+        def pack_keys(x, stored):  # [H, N * G, D]: every G keys become one page (several at once in a prefill)
             self._dirty(b, self.dropped[0, b] + self.k_sink.lens[b] + self.k_pages.pages_of(b) * g)
             pages = x.reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)  # [N, H, G, D]
             self.k_pages.add(b, self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator,
                                                           self._query_rms(b)))
-            self._record_packed("k", b, x, self.k_pages.pages_of(b))
+            self._record_packed("k", b, stored, self.k_pages.pages_of(b))
 
-        def pack_values(x):
+        def pack_values(x, stored):
             self._dirty(b, self.dropped[1, b] + self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
             pages = x.reshape(self.heads, -1, g, self.head_dim).transpose(0, 1)
             self.v_pages.add(b, self.engine.quantize_values(pages, c.value_bits))
-            self._record_packed("v", b, x, self.v_pages.pages_of(b))
+            self._record_packed("v", b, stored, self.v_pages.pages_of(b))
 
         self.k_buffer.fill(b, k, 0, g, pack_keys)  # keys: the q-buffer packs whole pages
         self.v_window.fill(b, v, c.local_window, g, pack_values)  # values: the window keeps the newest R
@@ -463,16 +463,16 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
         def as_pages(x):  # [B, H, N * G, D] -> [B * N, H, G, D], sequence-major (a view for N = 1)
             return x.reshape(bsz, h, -1, g, d).transpose(1, 2).reshape(-1, h, g, d)
 
-        def pack_keys(x):
+        def pack_keys(x, stored):
             self._dirty_all(self.dropped[0, 0] + self.k_sink.lens[0] + self.k_pages.pages_of(0) * g)
             rms = self._query_rms_all(x.shape[2] // g)
             self.k_pages.add_all(self.engine.quantize_keys(as_pages(x), self.n_boost, c.selection, self.generator, rms))
-            self._record_packed("k", None, x, self.k_pages.pages_of(0))
+            self._record_packed("k", None, stored, self.k_pages.pages_of(0))
 
-        def pack_values(x):
+        def pack_values(x, stored):
             self._dirty_all(self.dropped[1, 0] + self.v_sink.lens[0] + self.v_pages.pages_of(0) * g)
             self.v_pages.add_all(self.engine.quantize_values(as_pages(x), c.value_bits))
-            self._record_packed("v", None, x, self.v_pages.pages_of(0))
+            self._record_packed("v", None, stored, self.v_pages.pages_of(0))
 
         self.k_buffer.fill_all(k, 0, g, pack_keys)  # keys: every G tokens become a page
         self.v_window.fill_all(v, c.local_window, g, pack_values)  # values: the newest R stay

@@ -6,6 +6,12 @@ A region keeps its tokens as the model computed them (16 bits: FP16 or BF16), or
 its largest magnitude, 127 steps, with the scale in fp32 beside it ([B, H, cap]). An element's error
 is at most scale / 2, that is 1/254 of its vector's largest magnitude. Every reader gets the
 dequantized tokens in the model's dtype; kernels read both tensors (`tensors`).
+
+A token is quantized once, when it enters a region, and from then on moves as stored: the tokens
+that stay when pages pack, the pages' sources a rollback reopens (`stored` form: the region's
+tensors' slices, codes and scales or 16-bit tokens). Pages are packed from the stored tokens'
+values, so every token of an 8-bit tail's pages was rounded to int8 first, whichever path (a prefill
+chunk, a decode step, a kernel's write) brought it.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale max|x| / 127 of each vector; an all-zero vector has scale 0 and codes 0. The decode kernel
     that writes a step's token computes the same numbers (`kernels/state._store_token`)."""
     xf = x.float()
-    scale = xf.abs().amax(-1) / INT8_STEPS
+    # a product and a correctly rounded division (IEEE, as torch divides on CPU and CUDA): the
+    # kernel's `tl.math.div_rn` gives the same codes, where Triton's `/` on a GPU is approximate
+    scale = xf.abs().amax(-1) * (1.0 / INT8_STEPS)
     codes = torch.round(xf / scale.clamp_min(1e-30)[..., None]).clamp_(-INT8_STEPS, INT8_STEPS)
     return codes.to(torch.int8), scale
 
@@ -71,31 +79,58 @@ class TailRegion:
                 self.scale = scale
             self.buf = grown
 
-    def _write(self, index: tuple, x: torch.Tensor) -> None:
-        """buf[index] = x ([..., D], stored as the region stores), and the scales of an 8-bit region."""
-        if self.scale is None:
-            self.buf[index] = x
-        else:
-            self.buf[index], self.scale[index] = quantize_tokens(x)
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Tokens x [..., n, D] in stored form: [x] in the region's dtype, or an 8-bit region's
+        [codes [..., n, D], scales [..., n]]."""
+        return [x.to(self.buf.dtype)] if self.scale is None else list(quantize_tokens(x))
+
+    def decode(self, stored: list[torch.Tensor]) -> torch.Tensor:
+        """Tokens in stored form -> [..., n, D] in the model's dtype."""
+        return stored[0] if self.scale is None else dequantize_tokens(*stored, self.dtype)
+
+    def _stored(self, index: tuple) -> list[torch.Tensor]:
+        return [t[index] for t in self.tensors()]
+
+    def _write(self, index: tuple, stored: list[torch.Tensor]) -> None:
+        for t, part in zip(self.tensors(), stored):
+            t[index] = part
 
     def _read(self, index: tuple) -> torch.Tensor:
-        if self.scale is None:
-            return self.buf[index]
-        return dequantize_tokens(self.buf[index], self.scale[index], self.dtype)
+        return self.decode(self._stored(index))
 
     def append(self, b: int, x: torch.Tensor) -> None:
         """x [H, n, D] -> after the tokens of sequence b."""
-        n, start = x.shape[1], self.lens[b]
+        self.append_stored(b, self.encode(x))
+
+    def append_stored(self, b: int, stored: list[torch.Tensor]) -> None:
+        """Tokens in stored form ([H, n, D] and [H, n]) -> after the tokens of sequence b, as they are."""
+        n, start = stored[0].shape[1], self.lens[b]
         self._reserve(start + n)
-        self._write((b, slice(None), slice(start, start + n)), x)
+        self._write((b, slice(None), slice(start, start + n)), stored)
         self.lens[b] = start + n
+
+    def prepend_stored(self, b: int, stored: list[torch.Tensor]) -> None:
+        """Tokens in stored form -> before the tokens of sequence b (which move up as stored)."""
+        n, held = stored[0].shape[1], self.lens[b]
+        self._reserve(held + n)
+        for t, part in zip(self.tensors(), stored):
+            t[b, :, n : n + held] = t[b, :, :held].clone()
+            t[b, :, :n] = part
+        self.lens[b] = held + n
+
+    def stored(self, b: int) -> list[torch.Tensor]:
+        """Sequence b's tokens in stored form."""
+        return self._stored((b, slice(None), slice(0, self.lens[b])))
 
     def append_all(self, x: torch.Tensor) -> None:
         """x [B, H, n, D] -> after the tokens of every sequence (all sequences hold the same count)."""
-        n, start = x.shape[2], self.lens[0]
+        self._append_all_stored(self.encode(x))
+
+    def _append_all_stored(self, stored: list[torch.Tensor]) -> None:
+        n, start = stored[0].shape[2], self.lens[0]
         if n:
             self._reserve(start + n)
-            self._write((slice(None), slice(None), slice(start, start + n)), x)
+            self._write((slice(None), slice(None), slice(start, start + n)), stored)
             self.lens = [start + n] * len(self.lens)
 
     def append_rows(self, rows: list[int], x: torch.Tensor) -> None:
@@ -106,7 +141,7 @@ class TailRegion:
         self._reserve(max(self.lens[b] for b in rows) + 1)
         dev = self.buf.device
         pos = torch.tensor([self.lens[b] for b in rows], device=dev)
-        self._write((torch.tensor(rows, device=dev), slice(None), pos), x)
+        self._write((torch.tensor(rows, device=dev), slice(None), pos), self.encode(x))
         for b in rows:
             self.lens[b] += 1
 
@@ -150,34 +185,39 @@ class TailRegion:
 
     def fill(self, b: int, x: torch.Tensor, keep: int, g: int, pack) -> None:
         """Append x [H, n, D] to sequence b's tokens, and pass their oldest whole pages of G tokens,
-        all but at least `keep` tokens, to `pack` ([H, N * G, D], the model's dtype) before they
-        leave. The tokens that stay move as stored: an 8-bit region never quantizes a token twice."""
-        held, n = self.lens[b], x.shape[1]
-        full = max(held + n - keep, 0) // g * g
+        all but at least `keep` tokens, to `pack` before they leave: pack(tokens [H, N * G, D] in the
+        model's dtype, the same in stored form). x is stored once; the tokens that stay move as stored."""
+        held, new = self.lens[b], self.encode(x)
+        full = max(held + x.shape[1] - keep, 0) // g * g
         if full:
-            pack(torch.cat([self.tokens(b), x], dim=1)[:, :full] if held else x[:, :full])
+            src = [torch.cat([h, s], dim=1)[:, :full] for h, s in zip(self.stored(b), new)] if held else \
+                [s[:, :full] for s in new]
+            pack(self.decode(src), src)
         if full <= held:
             self.drop_oldest(b, full)
-            self.append(b, x)
+            self.append_stored(b, new)
         else:
             self.clear(b)
-            self.append(b, x[:, full - held :])
+            self.append_stored(b, [s[:, full - held :] for s in new])
 
     def fill_all(self, x: torch.Tensor, keep: int, g: int, pack) -> None:
         """`fill` for every sequence at once, x [B, H, n, D], all sequences holding the same count. A
         decode step's packing, which brings no new tokens, reads the page where it lies and copies
         only the tokens that stay, down to the region's start."""
         held, n = self.lens[0], x.shape[2]
+        new = self.encode(x)
         full = max(held + n - keep, 0) // g * g
         if full:
-            src = self.tokens_all() if not n else torch.cat([self.tokens_all(), x], dim=2) if held else x
-            pack(src[:, :, :full])
+            mine = self._stored((slice(None), slice(None), slice(0, held)))
+            src = mine if not n else [torch.cat([h, s], dim=2) for h, s in zip(mine, new)] if held else new
+            src = [s[:, :, :full] for s in src]
+            pack(self.decode(src), src)
         if full <= held:
             self.drop_oldest(None, full)
-            self.append_all(x)
+            self._append_all_stored(new)
         else:
             self.clear_all()
-            self.append_all(x[:, :, full - held :])
+            self._append_all_stored([s[:, :, full - held :] for s in new])
 
     def nbytes(self) -> int:
         """Bytes of the tokens held (codes, and an 8-bit region's scales)."""

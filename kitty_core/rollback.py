@@ -1,7 +1,8 @@
 """Rolling a layer back by its newest tokens (`crop`), as speculative decoding asks of a cache.
 
-A mixin of `KittyLayer`: it works on the layer's FP16 regions and page pools (`layer.py`), and keeps
-the FP16 source of the pages the latest forward packed so that a page can be reopened exactly.
+A mixin of `KittyLayer`: it works on the layer's tail regions and page pools (`layer.py`), and keeps
+the source of the pages the latest forward packed, as the tail stored it (16-bit tokens, or an 8-bit
+tail's codes and scales), so that a page can be reopened exactly.
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ class Rollback:
     """`crop` and past recording for `KittyLayer`."""
 
     def activate_past_recording(self) -> None:
-        """From now on keep the FP16 source of the newest page each forward packs, until the next forward
+        """From now on keep the tail's source of the newest page each forward packs, until the next forward
         or crop, so that `crop` can reopen it (speculative decoding calls this before it starts)."""
         self.record_past = True
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove each sequence's newest tokens, as transformers' caches do for speculative decoding:
         a negative count removes that many, a positive one is the length to keep (the older spelling),
-        0 removes nothing. Tokens in FP16 parts go as they are; a page that the latest forward packed
-        is reopened from its FP16 source when past recording is on (its slot goes back to the pool),
+        0 removes nothing. Tokens in the tail go as they are; a page that the latest forward packed
+        is reopened from its source as the tail stored it when past recording is on (its slot goes back to the pool),
         so a rollback leaves the state the shorter forward would have left. Anything older than the
         latest forward that is packed cannot be unpacked exactly: ValueError saying what to do.
         Query statistics (selection="qk") keep the rolled-back queries."""
@@ -70,7 +71,7 @@ class Rollback:
                     self._dirty(b, base + sink.lens[b] + at * c.group_size)
                     keep = max(c.group_size - left, 0)
                     left -= c.group_size - keep
-                    tail.append(b, src[:, :keep])  # the tail is empty here: the page's kept tokens are the newest
+                    tail.append_stored(b, [s[:, :keep] for s in src])  # the tail is empty here: they are the newest
                 # values leave the window for a page only once R newer ones follow: with fewer, the
                 # pages that the forward packed too early open again
                 while side == "v" and tail.lens[b] < c.local_window and pool.pages_of(b):
@@ -80,30 +81,31 @@ class Rollback:
                         break
                     pool.pop(b)
                     self._dirty(b, base + sink.lens[b] + at * c.group_size)
-                    newer = tail.tokens(b).clone()
-                    tail.clear(b)
-                    tail.append(b, src)
-                    tail.append(b, newer)
+                    tail.prepend_stored(b, src)
             if left > sink.lens[b]:
                 raise RuntimeError("crop: the cache state machine is inconsistent")
             sink.lens[b] -= left
 
-    def _record_packed(self, side: str, rows, src: torch.Tensor, pages_held: int) -> None:
-        """While past recording is on: the FP16 source [.., H, n * G, D] of the n pages just packed for
-        sequence `rows` (None: every sequence, src [B, H, n * G, D]), which now holds `pages_held`.
-        The newest pages only: as many as a rollback can reopen (one key page; values: the pages that
-        a local window of R can take back, and one)."""
+    def _record_packed(self, side: str, rows, stored: list[torch.Tensor], pages_held: int) -> None:
+        """While past recording is on: the source of the n pages just packed for sequence `rows`, as
+        the tail stored it (`TailRegion.encode`: [.., H, n * G, D] tokens, or codes and their scales
+        [.., H, n * G]; None: every sequence, a leading batch dimension), which now holds
+        `pages_held`. The newest pages only: as many as a rollback can reopen (one key page; values:
+        the pages that a local window of R can take back, and one)."""
         if self.record_past:
-            g = self.config.group_size
-            keep = min(src.shape[-2] // g, 1 if side == "k" else 1 + -(-self.config.local_window // g))
-            self._packed[side][rows] = (pages_held - keep, src[..., src.shape[-2] - keep * g :, :].clone())
+            g, dim = self.config.group_size, 1 if rows is not None else 2
+            n = stored[0].shape[dim]
+            keep = min(n // g, 1 if side == "k" else 1 + -(-self.config.local_window // g))
+            self._packed[side][rows] = (pages_held - keep, [t.narrow(dim, n - keep * g, keep * g).clone()
+                                                            for t in stored])
 
-    def _packed_source(self, side: str, b: int, at: int) -> torch.Tensor | None:
-        """The FP16 source [H, G, D] of page `at` of sequence b, if the latest forward packed it and it was recorded."""
+    def _packed_source(self, side: str, b: int, at: int) -> list[torch.Tensor] | None:
+        """The source of page `at` of sequence b as the tail stored it ([H, G, D], and an 8-bit tail's
+        scales [H, G]), if the latest forward packed it and it was recorded."""
         g = self.config.group_size
         for rows in (b, None):
             held = self._packed[side].get(rows)
-            if held is not None and held[0] <= at < held[0] + held[1].shape[-2] // g:
-                src = held[1] if rows is not None else held[1][b]
-                return src[:, (at - held[0]) * g : (at - held[0] + 1) * g]
+            if held is not None and held[0] <= at < held[0] + held[1][0].shape[-2] // g:
+                src = held[1] if rows is not None else [t[b] for t in held[1]]
+                return [t[:, (at - held[0]) * g : (at - held[0] + 1) * g] for t in src]
         return None

@@ -8,6 +8,7 @@ import triton.language as tl
 
 from kernels.decode_fused import _page_scores_i8
 from kernels.ptx import _key8_plane
+from kernels.state import _store_token
 from kitty_core.layer import KittyLayer
 from kitty_core.reference_engine import ReferenceEngine
 from kitty_core.config import parse_method
@@ -127,6 +128,31 @@ def test_a_token_the_kernels_write_gives_the_output_of_one_inserted_before_them(
                                atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="positions"):
         decode_attention(before, q, 0.25, state=state, new=(k, v, write[:1]))
+
+
+@triton.jit
+def _store_rows(X, C, S, D: tl.constexpr):
+    row = tl.program_id(0)
+    _store_token(C, S, row * D, tl.load(X + row * D + tl.arange(0, D)), D)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_kernel_quantizes_a_token_as_the_host_does(dtype):
+    """`_store_token` (a device-driven step's token into an 8-bit tail) against the host's
+    `quantize_tokens`, bit for bit: codes and scales. On a GPU, 200,000 vectors of six decades of
+    magnitude: an approximate division there changed a code in 7.5% of bf16 vectors."""
+    from kitty_core.regions import quantize_tokens
+
+    rows, dim = (200_000, 128) if DEVICE == "cuda" else (64, 16)
+    torch.manual_seed(5)
+    x = (torch.randn(rows, dim, device=DEVICE) * torch.logspace(-3, 3, rows, device=DEVICE)[:, None]).to(dtype)
+    x[0] = 0  # a zero vector: scale 0, codes 0
+    codes = torch.empty(rows, dim, dtype=torch.int8, device=DEVICE)
+    scales = torch.empty(rows, dtype=torch.float32, device=DEVICE)
+    _store_rows[(rows,)](x, codes, scales, dim)
+    want_codes, want_scales = quantize_tokens(x)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes, want_codes), f"{(codes != want_codes).any(1).float().mean():.2%} of vectors differ"
 
 
 def test_chunks_past_a_sequence_are_ignored_whatever_the_workspace_holds():

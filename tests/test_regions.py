@@ -116,3 +116,31 @@ def test_the_memory_report_names_each_layers_storage_of_the_tail():
     # the full-precision layer's "sink" holds all 300 tokens in fp32; the other keeps its int8 sink
     heads, d = model.config.num_key_value_heads, 16
     assert reports[(0,)].bytes["key sink"] == reports[()].bytes["key sink"] // 2 + 300 * heads * d * 4
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_an_8_bit_tails_pages_do_not_depend_on_the_path_that_brought_the_tokens(padded):
+    """Every token enters an 8-bit tail as codes, and pages are packed from those: the history
+    attention sees is the same, bit for bit, whether the tokens came in one prefill, as decode steps
+    each packing what it completes (the reference engine's order), or as steps that store first and
+    pack after attention (`pack=False`, then `pack_full`: the Triton engine's)."""
+    spec = "kitty-pro+sink=4+group_size=8+local_window=8+tail_bits=8"
+    torch.manual_seed(2)
+    tokens = torch.randn(2, 2, 53, 16).to(torch.bfloat16) * torch.linspace(0.1, 9, 16).to(torch.bfloat16)
+    histories = []
+    for path in ("prefill", "steps, packing as they complete", "steps, packing after"):
+        layer = _bf16_layer(spec)
+        if padded:
+            layer.pad = [0, 3]
+        first = 53 if path == "prefill" else 21
+        layer.insert(tokens[:, :, :first], -tokens[:, :, :first])
+        for t in range(first, 53):
+            packing = path == "steps, packing as they complete"
+            layer.insert(tokens[:, :, t : t + 1], -tokens[:, :, t : t + 1], pack=packing)
+            if not packing:
+                layer.pack_full()
+        assert layer.k_pages.pages_of(0) >= 5
+        histories.append([layer.sequence_history(b, torch.float32) for b in range(2)])
+    for other in histories[1:]:
+        for (k, v), (k0, v0) in zip(other, histories[0]):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
