@@ -9,9 +9,10 @@ dequantized tokens in the model's dtype; kernels read both tensors (`tensors`).
 
 A token is quantized once, when it enters a region, and from then on moves as stored: the tokens
 that stay when pages pack, the pages' sources a rollback reopens (`stored` form: the region's
-tensors' slices, codes and scales or 16-bit tokens). Pages are packed from the stored tokens'
-values, so every token of an 8-bit tail's pages was rounded to int8 first, whichever path (a prefill
-chunk, a decode step, a kernel's write) brought it.
+tensors' slices, codes and scales or 16-bit tokens). A page that began in the region is packed from
+the stored values of all its tokens, the one that completes it included, whichever engine or kernel
+wrote that one; a page that a chunk of new tokens fills by itself (a prefill's) is packed from the
+tokens as the model computed them.
 """
 
 from __future__ import annotations
@@ -183,16 +184,27 @@ class TailRegion:
     def clear_all(self) -> None:
         self.lens = [0] * len(self.lens)
 
+    def _page_tokens(self, src: list[torch.Tensor], x: torch.Tensor, held: int, g: int, dim: int) -> torch.Tensor:
+        """The tokens to pack from src (stored form: the held tokens, then x's) in the model's dtype:
+        the pages that began in the region (ceil(held / G) of them) as stored, the rest as x brought
+        them (an 8-bit region's rounding spared the pages a chunk fills by itself)."""
+        tokens = self.decode(src)
+        full, begun = src[0].shape[dim], -(-held // g) * g
+        if self.scale is None or begun >= full:
+            return tokens
+        return torch.cat([tokens.narrow(dim, 0, begun), x.narrow(dim, begun - held, full - begun)], dim=dim)
+
     def fill(self, b: int, x: torch.Tensor, keep: int, g: int, pack) -> None:
         """Append x [H, n, D] to sequence b's tokens, and pass their oldest whole pages of G tokens,
         all but at least `keep` tokens, to `pack` before they leave: pack(tokens [H, N * G, D] in the
-        model's dtype, the same in stored form). x is stored once; the tokens that stay move as stored."""
+        model's dtype (`_page_tokens`), the same in stored form). x is stored once; the tokens that
+        stay move as stored."""
         held, new = self.lens[b], self.encode(x)
         full = max(held + x.shape[1] - keep, 0) // g * g
         if full:
             src = [torch.cat([h, s], dim=1)[:, :full] for h, s in zip(self.stored(b), new)] if held else \
                 [s[:, :full] for s in new]
-            pack(self.decode(src), src)
+            pack(self._page_tokens(src, x, held, g, 1), src)
         if full <= held:
             self.drop_oldest(b, full)
             self.append_stored(b, new)
@@ -211,7 +223,7 @@ class TailRegion:
             mine = self._stored((slice(None), slice(None), slice(0, held)))
             src = mine if not n else [torch.cat([h, s], dim=2) for h, s in zip(mine, new)] if held else new
             src = [s[:, :, :full] for s in src]
-            pack(self.decode(src), src)
+            pack(self._page_tokens(src, x, held, g, 2), src)
         if full <= held:
             self.drop_oldest(None, full)
             self._append_all_stored(new)

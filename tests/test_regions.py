@@ -119,28 +119,35 @@ def test_the_memory_report_names_each_layers_storage_of_the_tail():
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_an_8_bit_tails_pages_do_not_depend_on_the_path_that_brought_the_tokens(padded):
-    """Every token enters an 8-bit tail as codes, and pages are packed from those: the history
-    attention sees is the same, bit for bit, whether the tokens came in one prefill, as decode steps
-    each packing what it completes (the reference engine's order), or as steps that store first and
-    pack after attention (`pack=False`, then `pack_full`: the Triton engine's)."""
-    spec = "kitty-pro+sink=4+group_size=8+local_window=8+tail_bits=8"
+def test_an_8_bit_tails_pages_are_the_same_in_both_engines_orders(padded):
+    """A page that began in an 8-bit tail is packed from its tokens' codes, the token that completes
+    it included: the history attention sees is the same, bit for bit, whether each decode step packs
+    what it completes (the reference engine's order) or stores first and packs after attention
+    (`pack=False`, then `pack_full`: the Triton engine's, whose kernels write the token as codes). A
+    page that a prefill chunk fills by itself is packed from the tokens as they came: the same pages
+    as with a 16-bit tail."""
+    spec = "kitty-pro+sink=4+group_size=8+local_window=8"
     torch.manual_seed(2)
     tokens = torch.randn(2, 2, 53, 16).to(torch.bfloat16) * torch.linspace(0.1, 9, 16).to(torch.bfloat16)
-    histories = []
-    for path in ("prefill", "steps, packing as they complete", "steps, packing after"):
-        layer = _bf16_layer(spec)
+    histories = {}
+    for path in ("packing as they complete", "packing after", "16-bit tail"):
+        layer = _bf16_layer(spec + ("" if path == "16-bit tail" else "+tail_bits=8"))
         if padded:
             layer.pad = [0, 3]
-        first = 53 if path == "prefill" else 21
-        layer.insert(tokens[:, :, :first], -tokens[:, :, :first])
-        for t in range(first, 53):
-            packing = path == "steps, packing as they complete"
+        layer.insert(tokens[:, :, :37], -tokens[:, :, :37])
+        for t in range(37, 53):
+            packing = path != "packing after"
             layer.insert(tokens[:, :, t : t + 1], -tokens[:, :, t : t + 1], pack=packing)
             if not packing:
                 layer.pack_full()
-        assert layer.k_pages.pages_of(0) >= 5
-        histories.append([layer.sequence_history(b, torch.float32) for b in range(2)])
-    for other in histories[1:]:
-        for (k, v), (k0, v0) in zip(other, histories[0]):
-            assert torch.equal(k, k0) and torch.equal(v, v0)
+        assert layer.k_pages.pages_of(0) == (53 - 4) // 8
+        histories[path] = [layer.sequence_history(b, torch.float32) for b in range(2)]
+    for b in range(2):
+        (k, v), (k0, v0) = histories["packing after"][b], histories["packing as they complete"][b]
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+        # the pages the prompt filled (after the sink of 4) as a 16-bit tail's
+        k16, _ = histories["16-bit tail"][b]
+        prompt = slice(4, 4 + (37 - layer.pad[b] - 4) // 8 * 8)
+        assert prompt.stop > 20 and torch.equal(k[:, prompt], k16[:, prompt])
+        # pages that began in the tail hold rounded tokens: not a 16-bit tail's
+        assert not torch.equal(k[:, 36:44], k16[:, 36:44])
