@@ -136,7 +136,7 @@ def _store_rows(X, C, S, D: tl.constexpr):
     _store_token(C, S, row * D, tl.load(X + row * D + tl.arange(0, D)), D)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_the_kernel_quantizes_a_token_as_the_host_does(dtype):
     """`_store_token` (a device-driven step's token into an 8-bit tail) against the host's
     `quantize_tokens`, bit for bit: codes and scales. On a GPU, 200,000 vectors of six decades of
