@@ -200,6 +200,16 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
                                           **kwargs)
         return self.engine.attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
 
+    def as_stored(self, key_new: torch.Tensor, value_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tokens [B, H, t, D] as the tail will hold them: rounded to int8 and back under
+        `tail_bits=8`, as they are otherwise. What attention reads of a forward's own tokens, so that a
+        token is seen the same in the forward that brings it (a prefill chunk, the tokens speculative
+        decoding verifies) as in a later one, and the same by an engine that attends before it
+        inserts as by one whose kernel writes the token first."""
+        if self.k_sink.scale is None:
+            return key_new, value_new
+        return (self.k_sink.decode(self.k_sink.encode(key_new)), self.v_sink.decode(self.v_sink.encode(value_new)))
+
     def insert(self, key_new: torch.Tensor, value_new: torch.Tensor, pack: bool = True) -> None:
         """Store new tokens [B, H, t, D] (pads of a first call skipped). With pack=False (one decode
         token) a buffer may be left full, for `pack_full()` after attention.

@@ -30,7 +30,7 @@ class ReferenceEngine:
 
     def attend(self, layer: "KittyLayer", module, query, key_new, value_new, attention_mask, scaling, **kwargs):
         out = self.attend_dense(layer, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
-        layer.insert(key_new, value_new)  # after attention: the new tokens were attended in FP16
+        layer.insert(key_new, value_new)  # after attention: the new tokens were attended as stored
         return out
 
     @staticmethod
@@ -38,6 +38,7 @@ class ReferenceEngine:
         """SDPA over the dense view of the history and the new tokens; the layer's state is left as
         it was (the new tokens are not inserted), so an out-of-memory here loses nothing."""
         past_k, past_v = layer.dense_history(key_new.dtype)  # [B, H, seen, D], right-aligned
+        key_new, value_new = layer.as_stored(key_new, value_new)
         keys = torch.cat([past_k, key_new], dim=2)
         values = torch.cat([past_v, value_new], dim=2)
         kwargs.pop("dropout", None)

@@ -173,7 +173,8 @@ class TritonEngine(ReferenceEngine):
         return self.steps[layer.layer_idx](query, key_new, value_new, scaling).transpose(1, 2)
 
     def _chunk_on_pages(self, layer, query, key_new, value_new, scaling):
-        out = prefill_attention(layer, query, key_new, value_new, scaling, self.key_dots, layer.softcap)
+        out = prefill_attention(layer, query, *layer.as_stored(key_new, value_new), scaling, self.key_dots,
+                                layer.softcap)
         layer.insert(key_new, value_new)
         layer.drop_dense_view()
         return out.transpose(1, 2), None

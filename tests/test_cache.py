@@ -417,18 +417,24 @@ def test_crop_rolls_a_forward_back_as_if_it_had_been_shorter(spec, padded):
 def test_speculative_decoding_with_a_kitty_cache():
     """Prompt lookup and an assistant model verify several tokens a forward and crop the rest: the
     fp16 preset generates exactly what plain greedy decoding generates; kitty-pro with pages of 8
-    runs through rollbacks that reopen pages."""
+    runs through rollbacks that reopen pages, and with an 8-bit tail generates what its own plain
+    greedy decoding does."""
     model, draft = tiny_model("llama"), tiny_model("llama", seed=1)
     ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(0)).repeat(1, 3)  # lookups hit
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, min_new_tokens=30,
               do_sample=False, pad_token_id=0)
     plain = model.generate(**kw)
+    spec = "kitty-pro+sink=4+group_size=8+local_window=8"
+    plain8 = model.generate(**kw, past_key_values=KittyCache(model, spec + "+tail_bits=8"))
     for extra in (dict(prompt_lookup_num_tokens=3), dict(assistant_model=draft)):
         assert torch.equal(model.generate(**kw, **extra, past_key_values=KittyCache(model, "fp16")), plain)
-        cache = KittyCache(model, "kitty-pro+sink=4+group_size=8+local_window=8")
+        cache = KittyCache(model, spec)
         out = model.generate(**kw, **extra, past_key_values=cache)
         assert out.shape == plain.shape and cache.get_seq_length() == out.shape[1] - 1
         assert cache.layers[0].tokens(0) == cache.get_seq_length()
+        # an 8-bit tail: the verified tokens are attended as stored, as a decode step attends them
+        assert torch.equal(model.generate(**kw, **extra, past_key_values=KittyCache(model, spec + "+tail_bits=8")),
+                           plain8)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="tiny shapes for Triton's interpreter")

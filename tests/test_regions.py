@@ -151,3 +151,22 @@ def test_an_8_bit_tails_pages_are_the_same_in_both_engines_orders(padded):
         assert prompt.stop > 20 and torch.equal(k[:, prompt], k16[:, prompt])
         # pages that began in the tail hold rounded tokens: not a 16-bit tail's
         assert not torch.equal(k[:, 36:44], k16[:, 36:44])
+
+
+def test_a_step_attends_to_its_own_token_as_the_tail_stores_it():
+    """The reference engine attends before it inserts, the Triton engine's kernels after they write
+    the token: with an 8-bit tail both read the step's own key and value as codes (`as_stored`), so
+    a step's output is attention over the state it leaves."""
+    from kernels.decode import decode_attention_reference
+
+    layer = KittyLayer(parse_method("kitty-pro+sink=4+group_size=8+local_window=8+tail_bits=8"), ReferenceEngine())
+    torch.manual_seed(4)
+    prompt = torch.randn(1, 2, 21, 16)
+    layer.lazy_initialization(prompt[:, :, :0], prompt[:, :, :0])
+    layer.insert(prompt, -prompt)
+    k, v = torch.randn(1, 2, 1, 16) * 3, torch.randn(1, 2, 1, 16) * 3
+    q = k  # the step's own token takes most of the weight: its value's rounding would show
+    out, _ = ReferenceEngine.attend_dense(layer, None, q, k, v, None, 0.25)
+    layer.insert(k, v)
+    want = decode_attention_reference(layer, q, 0.25)
+    torch.testing.assert_close(out.transpose(1, 2), want, atol=1e-6, rtol=1e-5)
