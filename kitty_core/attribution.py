@@ -182,7 +182,8 @@ def analyse(model, tokenizer, text: str, methods, context: int, continuation: in
 def _probabilities(cap, method: str, layer: int, context: int):
     """(FP16, method) attention probabilities [Hq, C, context + C] of the continuation's queries, and
     (FP16, method) attention outputs [Hq, C, D]; the layer's state. The continuation's own keys and
-    values are new tokens: FP16, and for the method as its tail would hold them (`as_stored`); the
+    values are new tokens: FP16, and for the method as its tail holds them (`as_tail_holds`: the
+    continuation is decoded one token at a time, and a later query reads a token as stored); the
     context's are the method's stored state."""
     import torch
 
@@ -190,7 +191,7 @@ def _probabilities(cap, method: str, layer: int, context: int):
     q, k, v = cap.queries[layer], cap.keys[layer], cap.values[layer]  # [Hq, T, D], [Hkv, T, D]
     span = k.shape[1] - 1  # the capture's last token is only a target
     past_k, past_v = state.dense_history(torch.float32)  # [1, Hkv, context, D]
-    k_new, v_new = state.as_stored(k[:, context:span], v[:, context:span])
+    k_new, v_new = state.as_tail_holds(k[:, context:span], v[:, context:span])
     k_m = torch.cat([past_k[0], k_new], dim=1)
     v_m = torch.cat([past_v[0], v_new], dim=1)
     rep = q.shape[0] // k.shape[0]

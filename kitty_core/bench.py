@@ -154,7 +154,7 @@ def refusal(a) -> str | None:
         widths = a.tail_bits.split(",")
         if not a.cuda:
             return "--tail-bits applies to the CUDA comparison: give it with --cuda"
-        if not widths or any(w not in ("16", "8") for w in widths):
+        if any(w not in ("16", "8") for w in widths) or len(set(widths)) < len(widths):
             return f"--tail-bits takes 16, 8 or 16,8 (the tail's width), not {a.tail_bits!r}"
     if getattr(a, "launch_once", False) and not a.cuda:
         return "--launch-once launches the CUDA page kernel: give it with --cuda"

@@ -5,7 +5,8 @@ How a Kitty layer meets a transformers model (5.x):
      both unchanged to the registered attention function.
   2. `kitty_attention` (registered as the `kitty` attention implementation) sees the PendingKV and
      lets the layer attend over its history plus the new tokens, then insert them (so the new
-     tokens are attended in FP16 and packed afterwards, the paper's order).
+     tokens are attended as the model computed them, a decode step's token under `tail_bits=8` as
+     the tail stores it, and packed afterwards: the paper's order).
   3. The `kitty` mask is the mask of the attention the model ran before (SDPA's, or eager's); on a
      prefill its last row tells the cache which positions are left padding, so pads never enter it.
 For anything that is not a Kitty layer (a DynamicCache, no cache) `kitty_attention` is the

@@ -76,7 +76,7 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
 
 def synthetic_layer(method: str, batch: int, length: int, kv_heads: int, head_dim: int, dtype) -> KittyLayer:
     """A layer holding `length` tokens per sequence (random keys with uneven channel scales), the
-    last one stored in FP16 and not yet packed: the state a decode step attends over."""
+    last one in the tail and not yet packed: the state a decode step attends over."""
     layer = KittyLayer(parse_method(method), ReferenceEngine())
     empty = torch.zeros(batch, kv_heads, 0, head_dim, device="cuda", dtype=dtype)
     layer.lazy_initialization(empty, empty)

@@ -9,7 +9,7 @@ Per layer, every sequence b of the batch owns (n_b = real tokens it has seen; pa
                                                   value q_buffer of tokens that left it (oldest first)
           pages     ValuePages, G tokens each
 The FP16 parts (the tail) hold the model's dtype, or int8 with a scale a vector under `tail_bits=8`
-(`regions.py`). Every step inserts the new tokens after attention has used them in FP16, and packs
+(`regions.py`). Every step inserts the new tokens after attention has used them (`as_stored`), and packs
 a buffer into a page as soon as it holds G tokens, so a layer packs at most once every G decode
 steps.
 
@@ -87,7 +87,7 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
         self.last = owner is None  # the model's last attention layer: it ends a device-driven step
         self.generator = torch.Generator().manual_seed(config.seed * 100_003 + layer_idx)
         self.record_past = False  # keep what `crop` needs to reopen a page the latest forward packed
-        self._packed = {"k": {}, "v": {}}  # side -> {sequence (None: all): (page index, FP16 source [.., H, G, D])}
+        self._packed = {"k": {}, "v": {}}  # side -> {sequence (None: all): (page index, source in stored form)}
 
     # -- transformers CacheLayerMixin -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -161,7 +161,7 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
         return self.seen - self.pad[b]
 
     def attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs):
-        """Attend over history + the new tokens (FP16), then insert them and pack full buffers.
+        """Attend over history + the new tokens (`as_stored`), then insert them and pack full buffers.
 
         A decode step from device counters reads nothing from the host's record, so that torch.compile
         traces it into the model's graph (`ops`); every other call is host bookkeeping, which compiled
@@ -201,14 +201,23 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
         return self.engine.attend(self, module, query, key_new, value_new, attention_mask, scaling, **kwargs)
 
     def as_stored(self, key_new: torch.Tensor, value_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """New tokens [B, H, t, D] as the tail will hold them: rounded to int8 and back under
-        `tail_bits=8`, as they are otherwise. What attention reads of a forward's own tokens, so that a
-        token is seen the same in the forward that brings it (a prefill chunk, the tokens speculative
-        decoding verifies) as in a later one, and the same by an engine that attends before it
-        inserts as by one whose kernel writes the token first."""
-        if self.k_sink.scale is None:
+        """New tokens [B, H, t, D] as a forward's attention reads them. A decode step (t = 1) reads
+        its token as the tail stores it (`as_tail_holds`): the decode kernel writes the token before
+        it reads it, and every engine reads the same. A forward of several tokens (a prefill chunk,
+        the tokens speculative decoding verifies) reads them as the model computed them, the paper's
+        FP16 prefill: rounding a prompt's own tokens inside its prefill would move every later
+        layer's keys and values, which the pages and the tail then hold (measured in
+        docs/engine.md, "An 8-bit tail")."""
+        if key_new.shape[2] > 1:
             return key_new, value_new
-        return (self.k_sink.decode(self.k_sink.encode(key_new)), self.v_sink.decode(self.v_sink.encode(value_new)))
+        return self.as_tail_holds(key_new, value_new)
+
+    def as_tail_holds(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [..., n, D] as the tail stores them, in the model's dtype: rounded to int8 and back
+        under `tail_bits=8`, as they are otherwise."""
+        if self.k_sink.scale is None:
+            return keys, values
+        return self.k_sink.decode(self.k_sink.encode(keys)), self.v_sink.decode(self.v_sink.encode(values))
 
     def insert(self, key_new: torch.Tensor, value_new: torch.Tensor, pack: bool = True) -> None:
         """Store new tokens [B, H, t, D] (pads of a first call skipped). With pack=False (one decode

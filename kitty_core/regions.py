@@ -26,7 +26,7 @@ INT8_STEPS = 127.0  # codes in [-127, 127]: the scale is the vector's largest ma
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (int8 codes [..., D], fp32 scales [...]): round to nearest (ties to even) on the
-    scale max|x| / 127 of each vector; an all-zero vector has scale 0 and codes 0. The decode kernel
+    scale max|x| x (1/127) of each vector; an all-zero vector has scale 0 and codes 0. The decode kernel
     that writes a step's token computes the same numbers (`kernels/state._store_token`)."""
     xf = x.float()
     # a product and a correctly rounded division (IEEE, as torch divides on CPU and CUDA): the
@@ -184,15 +184,27 @@ class TailRegion:
     def clear_all(self) -> None:
         self.lens = [0] * len(self.lens)
 
-    def _page_tokens(self, src: list[torch.Tensor], x: torch.Tensor, held: int, g: int, dim: int) -> torch.Tensor:
-        """The tokens to pack from src (stored form: the held tokens, then x's) in the model's dtype:
-        the pages that began in the region (ceil(held / G) of them) as stored, the rest as x brought
-        them (an 8-bit region's rounding spared the pages a chunk fills by itself)."""
-        tokens = self.decode(src)
-        full, begun = src[0].shape[dim], -(-held // g) * g
+    def _computed_span(self, held: int, n: int, keep: int, g: int) -> tuple[int, int]:
+        """Of n new tokens that a fill appends to `held` tokens (keeping at least `keep`), the span
+        [start, end) that it packs as the model computed them: an 8-bit region's pages that the new
+        tokens fill by themselves. (0, 0) where there are none (and always for a 16-bit region, whose
+        stored tokens are the computed ones)."""
+        full, begun = max(held + n - keep, 0) // g * g, -(-held // g) * g
         if self.scale is None or begun >= full:
-            return tokens
-        return torch.cat([tokens.narrow(dim, 0, begun), x.narrow(dim, begun - held, full - begun)], dim=dim)
+            return 0, 0
+        return begun - held, full - held
+
+    def _page_tokens(self, src: list[torch.Tensor], x: torch.Tensor, held: int, span: tuple[int, int],
+                     dim: int) -> torch.Tensor:
+        """The tokens to pack from src (stored form: the held tokens, then x's) in the model's dtype:
+        the pages that began in the region as stored, x's span that fills pages by itself as x brought
+        it (`_computed_span`)."""
+        start, end = span
+        if start == end:
+            return self.decode(src)
+        begun = held + start
+        stored = [s.narrow(dim, 0, begun) for s in src]
+        return torch.cat([self.decode(stored), x.narrow(dim, start, end - start)], dim=dim)
 
     def fill(self, b: int, x: torch.Tensor, keep: int, g: int, pack) -> None:
         """Append x [H, n, D] to sequence b's tokens, and pass their oldest whole pages of G tokens,
@@ -204,7 +216,7 @@ class TailRegion:
         if full:
             src = [torch.cat([h, s], dim=1)[:, :full] for h, s in zip(self.stored(b), new)] if held else \
                 [s[:, :full] for s in new]
-            pack(self._page_tokens(src, x, held, g, 1), src)
+            pack(self._page_tokens(src, x, held, self._computed_span(held, x.shape[1], keep, g), 1), src)
         if full <= held:
             self.drop_oldest(b, full)
             self.append_stored(b, new)
@@ -223,7 +235,7 @@ class TailRegion:
             mine = self._stored((slice(None), slice(None), slice(0, held)))
             src = mine if not n else [torch.cat([h, s], dim=2) for h, s in zip(mine, new)] if held else new
             src = [s[:, :, :full] for s in src]
-            pack(self._page_tokens(src, x, held, g, 2), src)
+            pack(self._page_tokens(src, x, held, self._computed_span(held, n, keep, g), 2), src)
         if full <= held:
             self.drop_oldest(None, full)
             self._append_all_stored(new)

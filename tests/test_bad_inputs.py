@@ -57,6 +57,8 @@ def test_a_kernel_grid_narrower_than_the_shapes_is_refused_before_any_kernel(cap
     assert "--tail-bits applies to the CUDA comparison: give it with --cuda" in capsys.readouterr().err
     assert bench.main(["kernels", "--cuda", "--tail-bits", "16,4"]) == 2
     assert "--tail-bits takes 16, 8 or 16,8 (the tail's width), not '16,4'" in capsys.readouterr().err
+    assert bench.main(["kernels", "--cuda", "--tail-bits", "8,8"]) == 2
+    assert "--tail-bits takes 16, 8 or 16,8 (the tail's width), not '8,8'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["kernels", "--cuda", "--rounds", "0"])
     assert "--rounds: needs an integer of at least 1, got '0'" in capsys.readouterr().err

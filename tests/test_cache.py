@@ -432,7 +432,8 @@ def test_speculative_decoding_with_a_kitty_cache():
         out = model.generate(**kw, **extra, past_key_values=cache)
         assert out.shape == plain.shape and cache.get_seq_length() == out.shape[1] - 1
         assert cache.layers[0].tokens(0) == cache.get_seq_length()
-        # an 8-bit tail: the verified tokens are attended as stored, as a decode step attends them
+        # an 8-bit tail: rollbacks put tokens back as codes; the verified tokens are read as computed,
+        # a decode step's as stored, which on this model moves no greedy choice
         assert torch.equal(model.generate(**kw, **extra, past_key_values=KittyCache(model, spec + "+tail_bits=8")),
                            plain8)
 

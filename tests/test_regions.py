@@ -170,3 +170,29 @@ def test_a_step_attends_to_its_own_token_as_the_tail_stores_it():
     layer.insert(k, v)
     want = decode_attention_reference(layer, q, 0.25)
     torch.testing.assert_close(out.transpose(1, 2), want, atol=1e-6, rtol=1e-5)
+
+
+
+def test_a_prompt_attends_to_its_own_tokens_as_computed():
+    """A forward of several tokens reads them as the model computed them (the paper's FP16 prefill):
+    an 8-bit tail's first chunk attends exactly as a 16-bit tail's, though it stores them rounded;
+    a chunk after it reads the history as stored and itself as computed."""
+    spec = "kitty-pro+sink=4+group_size=8+local_window=8"
+    torch.manual_seed(5)
+    x = torch.randn(1, 2, 40, 16).to(torch.bfloat16) * torch.linspace(0.1, 9, 16).to(torch.bfloat16)
+    q = torch.randn(1, 2, 40, 16).to(torch.bfloat16)
+    eight, sixteen = _bf16_layer(spec + "+tail_bits=8", batch=1), _bf16_layer(spec, batch=1)
+    mask = torch.ones(27, 27, dtype=torch.bool).tril()[None, None]
+    first = [ReferenceEngine.attend_dense(layer, None, q[:, :, :27], x[:, :, :27], -x[:, :, :27], mask, 0.25)[0]
+             for layer in (eight, sixteen)]
+    assert torch.equal(first[0], first[1])
+    for layer in (eight, sixteen):
+        layer.insert(x[:, :, :27], -x[:, :, :27])
+    k_held, v_held = eight.dense_history(torch.bfloat16)
+    assert not torch.equal(k_held[:, :, :4], x[:, :, :4])  # the sink, stored rounded
+    chunk = x[:, :, 27:]
+    mask = torch.ones(13, 40, dtype=torch.bool).tril(27)[None, None]
+    out, _ = ReferenceEngine.attend_dense(eight, None, q[:, :, 27:], chunk, -chunk, mask, 0.25)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, 27:], torch.cat([k_held, chunk], 2), torch.cat([v_held, -chunk], 2), attn_mask=mask, scale=0.25)
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=0, rtol=0)
