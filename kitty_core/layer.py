@@ -323,12 +323,15 @@ class KittyLayer(Rollback, DenseHistory, CacheLayerMixin):
             pages = self.k_buffer.block(torch.tensor(keys, device=dev), g)  # [n, H, G, D]
             self.k_pages.add_rows(keys, self.engine.quantize_keys(pages, self.n_boost, c.selection, self.generator, rms))
             for b in keys:
+                self._record_packed("k", b, self.k_buffer.stored(b), self.k_pages.pages_of(b))
                 self.k_buffer.clear(b)
         if values:  # the oldest G values of each full window become a page; the newest R move up
             idx = torch.tensor(values, device=self.device)
             for b in values:
                 self._dirty(b, self.dropped[1, b] + self.v_sink.lens[b] + self.v_pages.pages_of(b) * g)
             self.v_pages.add_rows(values, self.engine.quantize_values(self.v_window.block(idx, g), c.value_bits))
+            for b in values:
+                self._record_packed("v", b, [s[:, :g] for s in self.v_window.stored(b)], self.v_pages.pages_of(b))
             self.v_window.shift_down(idx, g, r)
             for b in values:
                 self.v_window.lens[b] = r

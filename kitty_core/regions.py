@@ -12,7 +12,9 @@ that stay when pages pack, the pages' sources a rollback reopens (`stored` form:
 tensors' slices, codes and scales or 16-bit tokens). A page that began in the region is packed from
 the stored values of all its tokens, the one that completes it included, whichever engine or kernel
 wrote that one; a page that a chunk of new tokens fills by itself (a prefill's) is packed from the
-tokens as the model computed them.
+tokens as the model computed them. So an 8-bit tail's pages depend on how a prompt was cut into
+chunks (a 16-bit tail's do not): a page that one chunk begins and the next completes holds rounded
+tokens, where the whole prompt in one chunk would have packed them as computed.
 """
 
 from __future__ import annotations

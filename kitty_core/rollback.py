@@ -64,9 +64,10 @@ class Rollback:
                         bits = c.key_bits if side == "k" else c.value_bits
                         raise ValueError(
                             f"cannot remove the newest {n} tokens: {left} of them are in a {bits}-bit page"
-                            " that was packed before the latest forward (or without past recording) and "
-                            "cannot be unpacked exactly; call cache.activate_past_recording() before the forward "
-                            "to roll back, crop only within the latest forward's tokens, or use the fp16 preset")
+                            " that cannot be unpacked exactly: it was packed before the latest forward, or without"
+                            " past recording, or it is not among the newest pages a forward keeps the source of (one"
+                            " of keys); call cache.activate_past_recording() before the forward to roll back, crop "
+                            "only within the latest forward's newest tokens, or use the fp16 preset")
                     pool.pop(b)
                     self._dirty(b, base + sink.lens[b] + at * c.group_size)
                     keep = max(c.group_size - left, 0)

@@ -564,3 +564,38 @@ def test_sliding_window_layers_hold_only_their_window():
     assert len(cache.layers[0].k_pages.table[0]) <= 4 and len(cache.layers[1].k_pages.table[0]) == (209 - 4) // 8
     parts = set(cache.memory_report()["part"])
     assert "sliding window: key dense plane" in parts and "key dense plane" in parts and "key sink" in parts
+
+
+
+@pytest.mark.parametrize("tail", ["", "+tail_bits=8"])
+def test_crop_reopens_pages_a_padded_batchs_step_packed_after_attention(tail):
+    """In a left-padded batch a decode step stores its token, then `pack_full` packs each sequence's
+    full buffers one row at a time (the Triton engine's order). Under past recording a crop of a step
+    that packed pages reopens them: the state of a cache that never took the step."""
+    spec = "kitty-pro+sink=4+group_size=8+local_window=8" + tail
+    torch.manual_seed(3)
+    mask = torch.ones(2, 1, 20, 20, dtype=torch.bool).tril()
+    mask[1, :, :, :3] = False  # sequence 1: three pads, so the sequences' pages fill at different steps
+    prompt, tokens = torch.randn(2, 2, 20, 16), torch.randn(2, 2, 12, 16)
+
+    def step(layer, t):
+        layer.insert(tokens[:, :, t : t + 1], -tokens[:, :, t : t + 1], pack=False)
+        layer.pack_full()
+
+    packed = []
+    for n in range(tokens.shape[2]):
+        cut, whole = _layer(spec, 2), _layer(spec, 2)
+        for layer in (cut, whole):
+            layer.attend(None, None, prompt, -prompt, mask, None)
+            for t in range(n):
+                step(layer, t)
+        cut.activate_past_recording()
+        pages = [(cut.k_pages.pages_of(b), cut.v_pages.pages_of(b)) for b in range(2)]
+        step(cut, n)
+        grew = [(cut.k_pages.pages_of(b), cut.v_pages.pages_of(b)) != pages[b] for b in range(2)]
+        if any(grew):
+            packed.append(grew)
+            cut.crop(-1)
+            _same_state(cut, whole)
+    # steps that packed a key page or a value page for one of the two sequences only (row by row)
+    assert [True, False] in packed and [False, True] in packed
