@@ -10,9 +10,11 @@ Launched by `decode.decode_launches`; program (sequence x KV head, chunk):
 Each writes a partial softmax (max, sum, weighted values); `_combine_kernel` merges the chunks.
 A step from device counters may hand its token to the tail kernel (NEW), which writes it into the
 tail's buffers as it attends to it. The tail's tiles of those buffers enter its dots in their own
-dtype (bf16 for a bf16 model: no conversion), with the queries unscaled (`state._tail_operand`). An
-8-bit tail (`tail_bits=8`) holds int8 codes, exact as operands, and a scale a token, which multiplies
-the token's dots and its weight (`_tail_scores`, `_tail_values`): half the bytes, no dequantized tile.
+dtype (bf16 for a bf16 model: no conversion), with the queries unscaled (`state._tail_query`). An
+8-bit tail (`tail_bits=8`) holds int8 codes and a scale a token, which multiplies the token's dots
+and its weight (`_tail_scores`, `_tail_values`): half the bytes, no dequantized tile. Its codes become
+fp16 operands (exact) in the registers they are loaded into, four with five instructions
+(`ptx._int8_f16`), and the queries fp16 on a power-of-two scale of their own.
 SOFTCAP (a constexpr, 0: none): the scores become SOFTCAP x tanh(scores / SOFTCAP) before the softmax,
 as Gemma 2's attention computes them (`state._softcap`).
 
@@ -48,7 +50,7 @@ import triton.language as tl
 
 from .ptx import _exp2, _key8_plane, _scaled_plane, _value_scaled_plane, _widen
 from .state import (_cat4, _kv_scales, _kv_tile, _mask_part, _operand, _page_scores, _query_rows, _query_tile,
-                    _softcap, _store_token, _tail_operand)
+                    _softcap, _store_token, _tail_query)
 
 
 @triton.jit
@@ -192,30 +194,30 @@ def _online_update4_t(m_i, lt, s0, s1, s2, s3, FTZ: tl.constexpr):
 
 
 @triton.jit
-def _tail_scores(qn, X, XS, base, s_t, count, Q, T: tl.constexpr, D: tl.constexpr):
-    """Dots [R, T] of the unscaled queries qn (`_tail_operand`) with T tail keys from base: an 8-bit
-    tail's dots with the codes, times each token's scale."""
-    s = tl.dot(qn, tl.trans(_kv_tile(X, base, s_t, count, Q, T, D)))
+def _tail_scores(qn, X, XS, base, s_t, count, T: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr):
+    """Dots [R, T] of the queries qn (`_tail_query`) with T tail keys from base: an 8-bit tail's dots
+    with the codes, times each token's scale."""
+    s = tl.dot(qn, tl.trans(_kv_tile(X, base, s_t, count, T, D, BIAS)))
     if X.dtype.element_ty == tl.int8:
         s = s * _kv_scales(X, XS, base, s_t, count, T, D)[None, :]
     return s
 
 
 @triton.jit
-def _tail_values(acc, p, X, XS, base, s_t, count, Q, T: tl.constexpr, D: tl.constexpr):
+def _tail_values(acc, p, X, XS, base, s_t, count, T: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr):
     """acc + p [R, T] @ T tail values from base (rows >= count: zero): an 8-bit tail's codes, with
     each token's scale taken into its weights."""
     if X.dtype.element_ty == tl.int8:
         p = p * _kv_scales(X, XS, base, s_t, count, T, D)[None, :]
-    return tl.dot(_tail_operand(p, X, Q), _kv_tile(X, base, s_t, count, Q, T, D), acc)
+    return tl.dot(_operand(p, X), _kv_tile(X, base, s_t, count, T, D, BIAS), acc)
 
 
 @triton.jit
-def _kv_part_scores(qn, scaling, X, XS, base, s_t, count, Q, T: tl.constexpr, G4: tl.constexpr, D: tl.constexpr,
-                    SOFTCAP: tl.constexpr):
+def _kv_part_scores(qn, scaling, X, XS, base, s_t, count, T: tl.constexpr, G4: tl.constexpr, D: tl.constexpr,
+                    SOFTCAP: tl.constexpr, BIAS: tl.constexpr):
     """Scores [R, G/4] of the tail's keys T*G/4 .. (T+1)*G/4 - 1 of a slot (rows >= count: -inf),
-    softcapped."""
-    s = _tail_scores(qn, X, XS, base + T * G4 * s_t, s_t, count - T * G4, Q, G4, D)
+    softcapped; `scaling` [R, 1] takes `_tail_query`'s factor."""
+    s = _tail_scores(qn, X, XS, base + T * G4 * s_t, s_t, count - T * G4, G4, D, BIAS)
     return _mask_part(_softcap(s * scaling, SOFTCAP, 1.0), count, T, G4)
 
 
@@ -293,11 +295,13 @@ def _decode_tail_kernel(
     h = tl.program_id(0) % HKV
     chunk = tl.program_id(1)
     QG, qkeep = _query_rows(Q, sQb, sQh, b, h, REP, REP_P)
-    # the tail keys' dots take the queries as they are (their scaling after the dot) and in the
-    # buffers' dtype (`_tail_operand`): bf16 tiles need no conversion; the packed keys take them pre-scaled, fp32
+    # the tail keys' dots take the queries unscaled (their scaling after the dot) and in the tiles'
+    # operand dtype (`_tail_query`): bf16 tiles need no conversion; the packed keys take them
+    # pre-scaled, fp32
     qraw = tl.load(QG + tl.arange(0, D)[None, :], mask=qkeep, other=0.0)
     q = qraw.to(tl.float32) * scaling
-    qn = _tail_operand(qraw, KS, Q)
+    qn, qf = _tail_query(qraw, KS, Q)
+    tail_scaling = qf * scaling
     n = tl.load(LENS + b)
     n_vp = tl.load(NVP + b)
     if NEW:
@@ -313,11 +317,11 @@ def _decode_tail_kernel(
     if chunk == 0:  # the sink
         n_sink = tl.minimum(n, S)
         base = b * sSb + h * sSh
-        s = _softcap(_tail_scores(qn, KS, KSS, base, sSt, n_sink, Q, S_P, D) * scaling, SOFTCAP, 1.0)
+        s = _softcap(_tail_scores(qn, KS, KSS, base, sSt, n_sink, S_P, D, BIAS) * tail_scaling, SOFTCAP, 1.0)
         s = tl.where((tl.arange(0, S_P) < n_sink)[None, :], s, float("-inf"))
         live = n_sink > 0
         m_i, l_i, acc, p = _online_update(m_i, l_i, acc, s)
-        acc = _tail_values(acc, p, VS, VSS, base, sSt, n_sink, Q, S_P, D)
+        acc = _tail_values(acc, p, VS, VSS, base, sSt, n_sink, S_P, D, BIAS)
     else:  # one slot of the tail
         c = n_vp + chunk - 1
         count = tl.minimum(n - (S + c * G), G)
@@ -334,18 +338,18 @@ def _decode_tail_kernel(
                 s3 = _mask_part(_softcap(s3, SOFTCAP, 1.0), count, 3, G4)
             else:
                 kb = b * sKBb + h * sKBh
-                s0 = _kv_part_scores(qn, scaling, KB, KBS, kb, sKBt, count, Q, 0, G4, D, SOFTCAP)
-                s1 = _kv_part_scores(qn, scaling, KB, KBS, kb, sKBt, count, Q, 1, G4, D, SOFTCAP)
-                s2 = _kv_part_scores(qn, scaling, KB, KBS, kb, sKBt, count, Q, 2, G4, D, SOFTCAP)
-                s3 = _kv_part_scores(qn, scaling, KB, KBS, kb, sKBt, count, Q, 3, G4, D, SOFTCAP)
+                s0 = _kv_part_scores(qn, tail_scaling, KB, KBS, kb, sKBt, count, 0, G4, D, SOFTCAP, BIAS)
+                s1 = _kv_part_scores(qn, tail_scaling, KB, KBS, kb, sKBt, count, 1, G4, D, SOFTCAP, BIAS)
+                s2 = _kv_part_scores(qn, tail_scaling, KB, KBS, kb, sKBt, count, 2, G4, D, SOFTCAP, BIAS)
+                s3 = _kv_part_scores(qn, tail_scaling, KB, KBS, kb, sKBt, count, 3, G4, D, SOFTCAP, BIAS)
             m_i, lt, alpha, p0, p1, p2, p3 = _online_update4(m_i, tl.zeros((REP_P, G4), tl.float32), s0, s1, s2, s3)
             l_i = tl.sum(lt, 1)
             vw = b * sVWb + h * sVWh + (chunk - 1) * G * sVWt
             acc = acc * alpha
-            acc = _tail_values(acc, p0, VW, VWS, vw + 0 * G4 * sVWt, sVWt, count - 0 * G4, Q, G4, D)
-            acc = _tail_values(acc, p1, VW, VWS, vw + 1 * G4 * sVWt, sVWt, count - 1 * G4, Q, G4, D)
-            acc = _tail_values(acc, p2, VW, VWS, vw + 2 * G4 * sVWt, sVWt, count - 2 * G4, Q, G4, D)
-            acc = _tail_values(acc, p3, VW, VWS, vw + 3 * G4 * sVWt, sVWt, count - 3 * G4, Q, G4, D)
+            acc = _tail_values(acc, p0, VW, VWS, vw + 0 * G4 * sVWt, sVWt, count - 0 * G4, G4, D, BIAS)
+            acc = _tail_values(acc, p1, VW, VWS, vw + 1 * G4 * sVWt, sVWt, count - 1 * G4, G4, D, BIAS)
+            acc = _tail_values(acc, p2, VW, VWS, vw + 2 * G4 * sVWt, sVWt, count - 2 * G4, G4, D, BIAS)
+            acc = _tail_values(acc, p3, VW, VWS, vw + 3 * G4 * sVWt, sVWt, count - 3 * G4, G4, D, BIAS)
     _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, chunk, m_i, l_i, acc, live, REP, REP_P, D)
 
 

@@ -48,7 +48,7 @@ def _page_values_part(p, a0, a1, a2, a3, shift, VL, VH, VSC, VZ, vbase, sbase, s
 @triton.jit
 def _fp16_tile(X, XS, base, s_t, count, T: tl.constexpr, D: tl.constexpr):
     """`_kv_tile` in fp16 (the unfused kernels' operands); an 8-bit tail's dequantized."""
-    x = _kv_tile(X, base, s_t, count, X, T, D)
+    x = _kv_tile(X, base, s_t, count, T, D, 0)
     if X.dtype.element_ty == tl.int8:
         x = x.to(tl.float32) * _kv_scales(X, XS, base, s_t, count, T, D)[:, None]
     return x.to(tl.float16)

@@ -29,7 +29,7 @@ from typing import Protocol
 import triton
 import triton.language as tl
 
-from .ptx import _plane_f16
+from .ptx import _int8_f16, _plane_f16
 
 class PagedLayer(Protocol):
     """What the kernels read of a layer (duck-typed: `kitty_core.layer.KittyLayer`)."""
@@ -113,22 +113,33 @@ def _operand(x, X):
 
 
 @triton.jit
-def _tail_operand(x, X, Q):
-    """x as an operand beside tiles of the tail buffer X: `_operand` of X for a 16-bit tail; for an
-    8-bit one (int8 codes), of the query Q, whose dtype is the model's."""
-    CODES: tl.constexpr = X.dtype.element_ty == tl.int8
-    BF16: tl.constexpr = (Q.dtype.element_ty if CODES else X.dtype.element_ty) == tl.bfloat16
-    return x.to(tl.bfloat16) if BF16 else x.to(tl.float16)
+def _tail_query(qraw, X, Q):
+    """The queries qraw [R, D] (unscaled) as the operand of dots with tiles of the tail buffer X, and
+    the factor [R, 1] those dots take after: in the tiles' operand dtype (`_kv_tile`: bf16 for a bf16
+    16-bit tail, as stored), factor 1. Where that operand is fp16 and the queries are not (an 8-bit
+    tail's codes beside bf16 queries), each row on a power-of-two scale that puts its largest
+    magnitude in [2^14, 2^15): no overflow, every bf16 number exact, and the inverse the factor."""
+    F16: tl.constexpr = (X.dtype.element_ty != tl.bfloat16) & (Q.dtype.element_ty != tl.float16)
+    if F16:
+        top = (tl.max(tl.abs(qraw.to(tl.float32)), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        top = tl.minimum(tl.maximum(top, 15), 254)  # the biased exponent of the largest magnitude
+        scale = ((268 - top) << 23).to(tl.float32, bitcast=True)  # 2^(141 - e)
+        factor = ((top - 14) << 23).to(tl.float32, bitcast=True)  # 2^(e - 141)
+        return (qraw.to(tl.float32) * scale[:, None]).to(tl.float16), factor[:, None]
+    return _operand(qraw, X), tl.full((qraw.shape[0], 1), 1.0, tl.float32)
 
 
 @triton.jit
-def _kv_tile(X, base, s_t, count, Q, T: tl.constexpr, D: tl.constexpr):
+def _kv_tile(X, base, s_t, count, T: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr):
     """Tokens [T, D] of a tail buffer from base (token stride s_t), rows >= count zero, as a dot
-    operand (`_tail_operand`): the tokens of a 16-bit tail, the codes of an 8-bit one (exact in
-    fp16 and bf16), whose scales `_kv_scales` reads."""
+    operand: the tokens of a 16-bit tail (`_operand`), the codes of an 8-bit one as fp16 (exact;
+    `ptx._int8_f16`), whose scales `_kv_scales` reads."""
     t = tl.arange(0, T)
     d = tl.arange(0, D)
-    return _tail_operand(tl.load(X + base + t[:, None] * s_t + d[None, :], mask=(t < count)[:, None], other=0), X, Q)
+    x = tl.load(X + base + t[:, None] * s_t + d[None, :], mask=(t < count)[:, None], other=0)
+    if X.dtype.element_ty == tl.int8:
+        return _int8_f16(x, BIAS)
+    return _operand(x, X)
 
 
 @triton.jit

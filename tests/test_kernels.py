@@ -58,6 +58,23 @@ def test_fused_decode_matches_reference(spec):
         torch.testing.assert_close(out, ref, atol=5e-3, rtol=1e-2)  # fp16 operands in the dots
 
 
+@pytest.mark.parametrize("tail", ["", "+tail_bits=8"])
+@pytest.mark.parametrize("magnitude", [2.0**20, 2.0**-30])
+def test_the_tail_takes_queries_outside_fp16s_range(tail, magnitude):
+    """The tail's dots take fp16 operands where its tiles are not bf16 (an 8-bit tail's codes, an fp32
+    model's tokens), and the queries go to fp16 on a power-of-two scale of their own. Queries 2^20
+    or 2^-30 times as large, with the attention scale divided by as much, give the same scores: the
+    same output. Without the queries' scale they overflow fp16 (NaN) or vanish in it (every tail
+    token weighed alike)."""
+    from kernels.decode import decode_attention, decode_attention_reference
+
+    layer = _layer("kitty-pro" + tail + SMALL, LENS, seed=7)
+    q = torch.randn(len(LENS), 4, 1, DIM, device=DEVICE)
+    ref = decode_attention_reference(layer, q, 0.25)
+    out = decode_attention(layer, q * magnitude, 0.25 / magnitude)
+    torch.testing.assert_close(out, ref, atol=5e-3, rtol=1e-2)
+
+
 @pytest.mark.parametrize("key_dots", ["fp16", "int8"])
 def test_fused_decode_with_a_softcap_matches_reference(key_dots):
     """Gemma 2's logit softcapping (softcap x tanh(scores / softcap)) in the tail kernel (sink, packed
