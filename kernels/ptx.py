@@ -112,10 +112,11 @@ _INT8_F16 = tl.constexpr(
 
 @triton.jit
 def _int8_f16(codes, BIAS: tl.constexpr):
-    """int8 codes -> fp16 (exact): in PTX five instructions for four codes, in registers where the
-    codes were loaded (BIAS 2, CUDA only), or by conversion. (Triton converts an int8 operand after
-    moving it to its dot's layout, one byte a shared-memory load; the PTX's fp16 result moves as
-    16-bit values.)"""
+    """int8 codes -> fp16 (exact): in PTX five instructions for four codes, in the registers the codes
+    were loaded into (BIAS 2, CUDA only), or by conversion. Triton moves a conversion of a dot's
+    operand, inline PTX included, past the move of the tile to the dot's layout, which for int8
+    codes goes one byte a shared-memory load (`LDS.U8`). The PTX is declared impure so that it stays
+    where it is written: the tile then moves as fp16, with `ldmatrix`."""
     if BIAS == 2:
         return tl.inline_asm_elementwise(_INT8_F16, "=r,=r,r", [codes], dtype=tl.float16, is_pure=False, pack=4)
     return codes.to(tl.float16)
