@@ -5,7 +5,7 @@
 // softmax (max, sum, output) of the layout the Triton tail and combine kernels use
 // (`kernels/decode.py`). Warps are independent: no block-wide barrier.
 //
-// The page format is the library's (`kitty_core.quant`, stored by `kitty_core.cache.PagePool`):
+// The page format is the library's (`kitty_core.quant`, stored by `kitty_core.page_pool.PagePool`):
 // per page and KV head, key dense plane [G/4 rows, D bytes] (byte (i, d): channel d of tokens i,
 // i + G/4, i + G/2, i + 3G/4, two bits each, plane P = token quarter P), key high plane [G/4, NB]
 // (the high two bits of the NB boosted channels, listed in the boost index), key scale / zero [D]
