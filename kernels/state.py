@@ -117,8 +117,9 @@ def _tail_query(qraw, X, Q):
     """The queries qraw [R, D] (unscaled) as the operand of dots with tiles of the tail buffer X, and
     the factor [R, 1] those dots take after: in the tiles' operand dtype (`_kv_tile`: bf16 for a bf16
     16-bit tail, as stored), factor 1. Where that operand is fp16 and the queries are not (an 8-bit
-    tail's codes beside bf16 queries), each row on a power-of-two scale that puts its largest
-    magnitude in [2^14, 2^15): no overflow, every bf16 number exact, and the inverse the factor."""
+    tail's codes beside bf16 queries, an fp32 model's tiles), each row on a power-of-two scale that
+    puts its largest magnitude in [2^14, 2^15), the inverse the factor: no overflow, and a bf16 entry
+    exact unless it is 2^28 times smaller than its row's largest (fp16's subnormals)."""
     F16: tl.constexpr = (X.dtype.element_ty != tl.bfloat16) & (Q.dtype.element_ty != tl.float16)
     if F16:
         top = (tl.max(tl.abs(qraw.to(tl.float32)), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF
