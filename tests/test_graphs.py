@@ -139,10 +139,11 @@ def test_caches_that_cannot_step_from_device_counters_say_why():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["fp16-prealloc", "kitty-pro", "kivi-k2v2"])
+@pytest.mark.parametrize("kind", ["fp16-prealloc", "kitty-pro", "kitty-pro+tail_bits=8", "kivi-k2v2"])
 def test_graph_replays_match_eager_steps_on_the_demo_model(kind):
     """On the GPU: 300 steps, replayed from captured graphs (2 key pages packed between them; the FP16
-    baseline's window grows twice), against eager steps fed the same tokens."""
+    baseline's window grows twice), against eager steps fed the same tokens. The 8-bit tail: the
+    kernel writes each step's token as codes, and its dots widen the codes in registers."""
     from kitty_core import load_model
 
     lm = load_model("demo", device="cuda", dtype=torch.float16)
