@@ -46,8 +46,9 @@ def fits(model, kind: str, batch: int, length: int, budget_bytes: int | None = N
 def search(model, kind: str, length: int, start: int = 1, limit: int = 1 << 14, budget_bytes: int | None = None,
            stop: Callable[[], bool] | None = None):
     """Largest batch of `length`-token sequences that fits: doubling from `start`, then bisection to
-    within 10% (or 1). A generator: yields each probe's row as it completes, returns
-    (max batch, first batch that failed or None)."""
+    within 10% (or 1); below `start` where `start` itself does not fit (an FP16 cache on a smaller
+    GPU). A generator: yields each probe's row as it completes, returns (max batch, 0 where not even
+    one sequence fits; first batch that failed or None)."""
     lo, hi, b = 0, None, start
     while b <= limit and not (stop and stop()):
         ok, info = fits(model, kind, b, length, budget_bytes)
@@ -56,7 +57,7 @@ def search(model, kind: str, length: int, start: int = 1, limit: int = 1 << 14, 
             hi = b
             break
         lo, b = b, b * 2
-    while hi is not None and lo and hi - lo > max(1, lo // 10) and not (stop and stop()):
+    while hi is not None and hi - lo > max(1, lo // 10) and not (stop and stop()):
         mid = (lo + hi) // 2
         ok, info = fits(model, kind, mid, length, budget_bytes)
         yield {"cache": kind, "batch": mid, "fits": ok, **info}
