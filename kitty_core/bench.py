@@ -94,7 +94,8 @@ def arguments():
     e.add_argument("--points", type=count(1), default=4, help="cache lengths at which decode steps are timed")
     e.add_argument("--steps", type=count(1), default=10, help="consecutive decode steps timed at each length "
                    "(their mean; more steps, less noise from run to run)")
-    e.add_argument("--start", type=count(1), default=8, help="first batch size of the doubling (a start that does not fit bisects below it)")
+    e.add_argument("--start", type=count(1), default=8,
+                   help="first batch size of the doubling (one that does not fit: bisect below it)")
     e.add_argument("--validate", default="", help="CACHE:BATCH:TOKENS,... real generations to check the estimate "
                    "(after the sweep; with --caches \"\" and --merge, added to an earlier run's file)")
     e.add_argument("--decode", choices=("compiled", "graph", "eager"), default="compiled",
