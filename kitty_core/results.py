@@ -121,6 +121,11 @@ def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for cache, g in ok.groupby("cache", sort=False):
         at_max, at_eq = g[g["at"] == "max batch"], g[g["at"] == "equal batch"]
+        # an equal batch that did not fit (an FP16 cache on a smaller GPU) has no figure: not the max
+        # batch's, which stands in only where the equal batch is the max batch (measured once)
+        failed = points[(points["cache"] == cache) & (points["at"] == "equal batch") & points["tokens_per_s"].isna()]
+        if len(failed) and not len(at_eq):
+            at_eq = failed
         rows.append({
             "cache": cache, "max_batch": int(g["max_batch"].iloc[0]),
             "peak_GiB": float(at_max["peak_bytes"].iloc[0]) / 2**30 if len(at_max) and at_max["peak_bytes"].notna().all() else None,
@@ -132,7 +137,7 @@ def e2e_table(points: pd.DataFrame) -> pd.DataFrame:
             # the batch that throughput was measured at: below the max batch if the prefill needed room
             "measured_at_batch": int(at_max["batch"].iloc[0]) if len(at_max) else None,
             "equal_batch": int(at_eq["batch"].iloc[0]) if len(at_eq) else (int(at_max["batch"].iloc[0]) if len(at_max) else None),
-            "tokens_per_s_equal_batch": float(at_eq["tokens_per_s"].iloc[0]) if len(at_eq) else (
+            "tokens_per_s_equal_batch": at_eq["tokens_per_s"].astype(float).iloc[0] if len(at_eq) else (
                 float(at_max["tokens_per_s"].iloc[0]) if len(at_max) else None),
         })
     table = pd.DataFrame(rows)

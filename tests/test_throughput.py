@@ -481,3 +481,29 @@ def test_e2e_refuses_counts_that_cannot_be_measured(capsys):
             main(["e2e", "--model", "no-such-model", "--caches", "fp16-prealloc", flag, value])
         assert stop.value.code == 2
         assert f"argument {flag}: needs an integer of at least" in capsys.readouterr().err
+
+
+def test_an_equal_batch_that_did_not_fit_has_no_figure_in_the_summary():
+    """The baseline's equal batch out of memory (an FP16 cache on a smaller GPU): its equal-batch
+    throughput and every ratio against it are missing, not its max batch's figure in their place;
+    a cache whose equal batch is its max batch (measured once) keeps that figure."""
+    import pandas as pd
+
+    from kitty_core.results import e2e_table
+
+    def point(cache, batch, at, max_batch, tps=None):
+        row = {"cache": cache, "batch": batch, "at": at, "max_batch": max_batch, "tokens_per_s": tps,
+               "peak_bytes": 1.0, "kv_bytes_per_token": 2.0}
+        return row if tps else dict(row, reason="out of memory")
+
+    points = pd.DataFrame([point("fp16-prealloc", 40, "max batch", 40, 2000.0),
+                           point("fp16-prealloc", 64, "equal batch", 40),
+                           point("kitty-pro", 288, "max batch", 288, 11000.0),
+                           point("kitty-pro", 64, "equal batch", 288, 5800.0),
+                           point("kivi-k2v2", 64, "max batch", 64, 3000.0)])
+    t = e2e_table(points).set_index("cache")
+    assert t.loc["fp16-prealloc", "equal_batch"] == 64 and pd.isna(t.loc["fp16-prealloc", "tokens_per_s_equal_batch"])
+    assert pd.isna(t.loc["kitty-pro", "equal_batch_vs_fp16-prealloc"])
+    assert t.loc["kitty-pro", "tput_vs_fp16-prealloc"] == pytest.approx(11000 / 2000)
+    assert t.loc["kitty-pro", "tokens_per_s_equal_batch"] == pytest.approx(5800)
+    assert t.loc["kivi-k2v2", "equal_batch"] == 64 and t.loc["kivi-k2v2", "tokens_per_s_equal_batch"] == 3000
