@@ -59,6 +59,25 @@ def test_fused_decode_matches_reference(spec):
 
 
 @pytest.mark.parametrize("tail", ["", "+tail_bits=8"])
+@pytest.mark.parametrize("shape", ["wide window", "long sink"])
+def test_the_tail_kernel_matches_reference_over_a_wide_window_and_a_long_sink(shape, tail):
+    """The tail kernel's loop over parts of G/4 tokens: a value window of two and a half pages (up to
+    three slots whose keys are packed, the later ones met inside the loop), and a sink of several
+    parts, the last one short."""
+    from kernels.decode import decode_attention, decode_attention_reference
+
+    extra = f"+local_window={5 * GROUP // 2}" if shape == "wide window" else f"+sink={GROUP // 2 + 1}"
+    lens = [3, GROUP + 1, 2 * GROUP + 3, 4 * GROUP + 5, 6 * GROUP + 7]
+    layer = _layer("kitty-pro" + tail + SMALL + extra, lens, seed=11)
+    st = layer.kernel_state()
+    if shape == "wide window":  # some sequence's window holds more than one slot of packed keys
+        assert max((st["n_kpages"] - st["n_vpages"]).tolist()) >= 2
+    q = torch.randn(len(lens), 4, 1, DIM, device=DEVICE)
+    ref = decode_attention_reference(layer, q, 0.25)
+    torch.testing.assert_close(decode_attention(layer, q, 0.25), ref, atol=5e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("tail", ["", "+tail_bits=8"])
 @pytest.mark.parametrize("magnitude", [2.0**20, 2.0**-30])
 def test_the_tail_takes_queries_outside_fp16s_range(tail, magnitude):
     """The tail's dots take fp16 operands where its tiles are not bf16 (an 8-bit tail's codes, an fp32
@@ -195,7 +214,7 @@ def test_a_grid_sized_for_the_capacity_spreads_each_sequence_over_all_its_chunks
     capacity), a sequence's packed slots are split evenly over the chunks: each chunk holds at most
     ceil(n / chunks) of a sequence's n slots, so the sequence fills ceil(n / that) chunks (not
     ceil(n / PPP), the first few), and the output is the reference's."""
-    from kernels.decode import _tail_slots, decode_attention, decode_attention_reference
+    from kernels.decode import decode_attention, decode_attention_reference
 
     layer = _layer("kitty-pro" + SMALL, [SINK + 2, SINK + 3 * GROUP + 5, SINK + 7 * GROUP + 1], seed=5)
     q = torch.randn(3, 4, 1, DIM, device=DEVICE)
@@ -206,7 +225,7 @@ def test_a_grid_sized_for_the_capacity_spreads_each_sequence_over_all_its_chunks
     # fp16 operands in the dots: another split rounds differently, as close to the reference
     torch.testing.assert_close(got, decode_attention_reference(layer, q, 0.25), atol=5e-3, rtol=1e-2)
     chunks = -(-wide["max_slots"] // 4)
-    first = 1 + _tail_slots(layer.config)
+    first = ws["m"].shape[2] - chunks  # the page chunks' partials follow the tail's
     live = ws["m"][:, :, first:first + chunks].isfinite().all(1)  # [B, chunks]: a partial stored
     n_vp = exact["n_vpages"].tolist()
     assert max(n_vp) > 4 and chunks > -(-max(n_vp) // 4)  # a grid wider than the pages need
