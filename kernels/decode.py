@@ -67,12 +67,6 @@ def launch_plan(pairs: int, slots: int, rep_p: int, sms: int) -> tuple[int, int,
     return ppp, 2, REGISTER_CAP.get(rep_p)
 
 
-# the tail kernel: one program a (sequence, KV head), its parts in a loop of TAIL_STAGES stages (the
-# next parts' copies in flight while one is attended to), TAIL_WARPS warps
-TAIL_STAGES = 3
-TAIL_WARPS = 4
-
-
 KEY_DOTS = ("fp16", "int8")  # the page kernel's key dots (`_page_scores_s`, `_page_scores_i8`)
 # head sizes from which the key dots are int8 by default. On an H200 (kitty-pro, bf16, one layer's
 # fused step from a CUDA graph) int8 took 3-7% off the step at head size 128 (the page kernel 7-9%:
@@ -121,13 +115,13 @@ def decode_launches(layer: PagedLayer, query: torch.Tensor, scaling: float, work
     ppp = pages_per_program or plan[0]
     if ppp & (ppp - 1):
         raise ValueError(f"pages_per_program must be a power of two, got {ppp}")
-    n_chunks = 1 + -(-slots // ppp)  # the tail's partial, then the page chunks'
+    n_chunks = 1 + nt + -(-slots // ppp)
     q = query[:, :, 0]
     ws = workspace if workspace is not None else {}
     m, l, acc = _partials(ws, b, hq, n_chunks, d, query.dtype, q.device)
     args = (q, q.stride(0), q.stride(1), *_kernel_args(layer, st),
             m, l, acc, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), scaling)
-    consts = dict(**shape, BIAS=_bias(unpack, cuda), SOFTCAP=_softcap_of(softcap))
+    consts = dict(**shape, NT=nt, BIAS=_bias(unpack, cuda), SOFTCAP=_softcap_of(softcap))
     # the tail and the pages are two launches: the FP16 sink and tail would otherwise size every page
     # program's registers and shared memory, and so how many of them an SM holds. They share no
     # output, and `decode_attention` runs them side by side (the tail on a second stream): the tail's
@@ -149,9 +143,8 @@ def decode_launches(layer: PagedLayer, query: torch.Tensor, scaling: float, work
     fresh = (kn, kn.stride(0), kn.stride(1), vn, vn.stride(0), vn.stride(1), write, write.stride(0))
     c_p = triton.next_power_of_2(n_chunks)
     return [
-        (_decode_tail_kernel, (b * layer.heads,), args + fresh,
-         dict(consts, NT=nt, NEW=int(new is not None), STAGES=TAIL_STAGES, num_warps=TAIL_WARPS)),
-        (_decode_pages_kernel, (b * layer.heads, n_chunks - 1), args, pages),
+        (_decode_tail_kernel, (b * layer.heads, 1 + nt), args + fresh, dict(consts, NEW=int(new is not None))),
+        (_decode_pages_kernel, (b * layer.heads, n_chunks - 1 - nt), args, pages),
         (_combine_kernel, (b * hq,), (m, l, acc, out, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1),
                                       acc.stride(2), out.stride(0), out.stride(1), n_chunks,
                                       m if lse is None else lse),
@@ -177,7 +170,7 @@ def step_workspace(layer: PagedLayer, q_heads: int, workspace: dict) -> list[tor
     slots = layer.capacity_slots()
     cuda = layer.device.type == "cuda"
     ppp = launch_plan(layer.batch * layer.heads, slots, rep_p, _sm_count(layer.device) if cuda else 132)[0]
-    n_chunks = 1 + -(-slots // ppp)
+    n_chunks = 1 + _tail_slots(layer.config) + -(-slots // ppp)
     return list(_partials(workspace, layer.batch, q_heads, n_chunks, layer.head_dim, layer.dtype, layer.device))
 
 

@@ -1,16 +1,15 @@
 """The fused decode step's kernels: one split-KV pass (flash-decoding) over a Kitty layer's state.
 Launched by `decode.decode_launches`; program (sequence x KV head, chunk):
 
-    `_decode_tail_kernel`   partial 0: the FP16 sink, then the page slots from the first one whose
-                            values are still FP16 (the value window), keys from a packed page or
-                            the FP16 q-buffer, in one software-pipelined loop over parts of G/4
-                            tokens;
-    `_decode_pages_kernel`  partials 1 ..: a sequence's fully packed page slots split evenly over
+    `_decode_tail_kernel`   chunk 0: the FP16 sink; chunks 1 .. NT: page slots from the first one
+                            whose values are still FP16 (the value window), keys from a packed page or
+                            the FP16 q-buffer;
+    `_decode_pages_kernel`  chunks NT+1 ..: a sequence's fully packed page slots split evenly over
                             them, up to PPP each, in a loop free of branches (a chunk with no slot
                             exits at once).
 Each writes a partial softmax (max, sum, weighted values); `_combine_kernel` merges the chunks.
 A step from device counters may hand its token to the tail kernel (NEW), which writes it into the
-tail's buffers before it attends to them. The tail's tiles of those buffers enter its dots in their own
+tail's buffers as it attends to it. The tail's tiles of those buffers enter its dots in their own
 dtype (bf16 for a bf16 model: no conversion), with the queries unscaled (`state._tail_query`). An
 8-bit tail (`tail_bits=8`) holds int8 codes and a scale a token, which multiplies the token's dots
 and its weight (`_tail_scores`, `_tail_values`): half the bytes, no dequantized tile. Its codes become
@@ -50,7 +49,7 @@ import triton
 import triton.language as tl
 
 from .ptx import _exp2, _key8_plane, _scaled_plane, _value_scaled_plane, _widen
-from .state import (_cat4, _kv_scales, _kv_tile, _operand, _page_scores, _query_rows, _query_tile,
+from .state import (_cat4, _kv_scales, _kv_tile, _mask_part, _operand, _page_scores, _query_rows, _query_tile,
                     _softcap, _store_token, _tail_query)
 
 
@@ -214,6 +213,15 @@ def _tail_values(acc, p, X, XS, base, s_t, count, T: tl.constexpr, D: tl.constex
 
 
 @triton.jit
+def _kv_part_scores(qn, scaling, X, XS, base, s_t, count, T: tl.constexpr, G4: tl.constexpr, D: tl.constexpr,
+                    SOFTCAP: tl.constexpr, BIAS: tl.constexpr):
+    """Scores [R, G/4] of the tail's keys T*G/4 .. (T+1)*G/4 - 1 of a slot (rows >= count: -inf),
+    softcapped; `scaling` [R, 1] takes `_tail_query`'s factor."""
+    s = _tail_scores(qn, X, XS, base + T * G4 * s_t, s_t, count - T * G4, G4, D, BIAS)
+    return _mask_part(_softcap(s * scaling, SOFTCAP, 1.0), count, T, G4)
+
+
+@triton.jit
 def _online_update(m_i, l_i, acc, s):
     """Fold scores s [R, T] into a running softmax: returns (m, l, acc rescaled, p)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -256,19 +264,6 @@ def _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, chunk, m_i, l_i, ac
 
 
 @triton.jit
-def _slot_scores(q, QG, qkeep, scaling, PAGE, h, KD, KH, KC, KSC, KZ, sKDp, sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg,
-                 sKCp, sKCh, sKSp, sKSh, D: tl.constexpr, G: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr,
-                 BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
-    """The four score tiles [R, G/4] (`_page_scores`, softcapped) of head h of the key page whose id is at PAGE."""
-    page = tl.load(PAGE)
-    s0, s1, s2, s3 = _page_scores(q, QG, qkeep, scaling, KD, KH, KC, KSC, KZ, page * sKDp + h * sKDh,
-                                  page * sKHp + h * sKHh, page * sKSp + h * sKSh, page * sKCp + h * sKCh,
-                                  sKDd, sKDg, sKHr, sKHg, D, G, NB, NB_P, BIAS)
-    return (_softcap(s0, SOFTCAP, 1.0), _softcap(s1, SOFTCAP, 1.0), _softcap(s2, SOFTCAP, 1.0),
-            _softcap(s3, SOFTCAP, 1.0))
-
-
-@triton.jit
 def _decode_tail_kernel(
     Q, sQb, sQh,
     KS, VS, sSb, sSh, sSt,
@@ -284,24 +279,21 @@ def _decode_tail_kernel(
     KN, sKNb, sKNh, VN, sVNb, sVNh, W, sW,
     HKV: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr, V4: tl.constexpr,
-    NT: tl.constexpr, BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEW: tl.constexpr, STAGES: tl.constexpr,
+    NT: tl.constexpr, BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEW: tl.constexpr,
 ):
-    """The whole tail of one (sequence, KV head), into partial 0: the sink, then the NT page slots
-    from the first one whose values are still FP16 (the value window), as parts of G/4 tokens in one
-    software-pipelined loop (STAGES: the next parts' keys and values are copied into shared memory
-    while a part is attended to, so that their loads wait on no registers). A part's keys come from
-    the sink, the key q-buffer, or a packed page: a slot whose keys are packed takes its four score
-    tiles from the page (`_page_scores`) at its first part, and its later parts select theirs. The
-    tail's buffers hold 16-bit tokens, or int8 codes with a scale a token (`tail_bits=8`:
-    `_tail_scores`, `_tail_values`).
+    """Chunk 0: the sink; chunk c in 1 .. NT: slot n_vp + c - 1, values from the window. The tail's
+    buffers hold 16-bit tokens, or int8 codes with a scale a token (`tail_bits=8`: `_tail_scores`,
+    `_tail_values`).
     NEW: the step's token (KN, VN [B, H, D]) is counted in LENS but not yet in the buffers. The
-    program writes it into the key q-buffer and the value window at W [2, B], then waits at a barrier
-    of its threads, after which their loads of the tail see it: the same numbers as a token stored
-    before the launch."""
+    program of its slot writes it into the key q-buffer and the value window at W [2, B], then
+    waits at a barrier of its threads, after which their loads of the slot's tiles see it: the
+    same numbers as a token stored before the launch. (Taking it into the tiles from registers
+    instead, with a select in the tile that holds it, cost 23 registers a thread: 94 against 71,
+    five programs an SM instead of seven.)"""
     G4: tl.constexpr = G // 4
-    NS: tl.constexpr = (S + G4 - 1) // G4  # the sink's parts
     b = tl.program_id(0) // HKV
     h = tl.program_id(0) % HKV
+    chunk = tl.program_id(1)
     QG, qkeep = _query_rows(Q, sQb, sQh, b, h, REP, REP_P)
     # the tail keys' dots take the queries unscaled (their scaling after the dot) and in the tiles'
     # operand dtype (`_tail_query`): bf16 tiles need no conversion; the packed keys take them
@@ -312,58 +304,53 @@ def _decode_tail_kernel(
     tail_scaling = qf * scaling
     n = tl.load(LENS + b)
     n_vp = tl.load(NVP + b)
-    n_kp = tl.load(NKP + b)
     if NEW:
-        new_slot = (n - 1 - S) // G - n_vp
-        if (new_slot >= 0) & (new_slot < NT):  # the new token is in the window (not the sink)
+        if (chunk > 0) & (n_vp + chunk - 1 == (n - 1 - S) // G):  # the new token is in this slot
             dd = tl.arange(0, D)
             k_at, v_at = b * sKBb + h * sKBh + tl.load(W + b) * sKBt, b * sVWb + h * sVWh + tl.load(W + sW + b) * sVWt
             _store_token(KB, KBS, k_at, tl.load(KN + b * sKNb + h * sKNh + dd), D)
             _store_token(VW, VWS, v_at, tl.load(VN + b * sVNb + h * sVNh + dd), D)
             tl.debug_barrier()
-    n_sink = tl.minimum(n, S)
-    # parts up to the last token: the sink's, then the window's from slot n_vp
-    n_parts = NS + tl.minimum(tl.cdiv(tl.maximum(n - S - n_vp * G, 0), G4), 4 * NT)
     m_i = tl.full((REP_P,), float("-inf"), tl.float32)
     l_i = tl.zeros((REP_P,), tl.float32)
     acc = tl.zeros((REP_P, D), tl.float32)
-    s0 = tl.zeros((REP_P, G4), tl.float32)  # a packed slot's score tiles, one a part
-    s1 = s0
-    s2 = s0
-    s3 = s0
-    if n_vp < n_kp:  # the first window slot's keys are packed
-        s0, s1, s2, s3 = _slot_scores(q, QG, qkeep, scaling, KT + b * sKT + n_vp, h, KD, KH, KC, KSC, KZ, sKDp, sKDh,
-                                      sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKCp, sKCh, sKSp, sKSh, D, G, NB, NB_P,
-                                      BIAS, SOFTCAP)
-    t = tl.arange(0, G4)
-    for j in tl.range(0, n_parts, num_stages=STAGES):
-        sink = j < NS
-        w = tl.maximum(j - NS, 0)
-        part = w % 4
-        c = n_vp + w // 4  # the part's slot, if it is not the sink's
-        packed = (j >= NS) & (c < n_kp)
-        count = tl.where(sink, n_sink - j * G4, n - (S + c * G + part * G4))
-        sbase = b * sSb + h * sSh + j * G4 * sSt
-        kx = tl.where(sink, KS, KB)
-        kxs = tl.where(sink, KSS, KBS)
-        kbase = tl.where(sink, sbase, b * sKBb + h * sKBh + part * G4 * sKBt)
-        kst = tl.where(sink, sSt, sKBt)
-        s = _tail_scores(qn, kx, kxs, kbase, kst, tl.where(packed, 0, count), G4, D, BIAS) * tail_scaling
-        s = _softcap(s, SOFTCAP, 1.0)
-        if NT > 2:  # a window wider than a page: a later slot's keys may be packed too
-            if packed & (part == 0) & (c > n_vp):
-                s0, s1, s2, s3 = _slot_scores(q, QG, qkeep, scaling, KT + b * sKT + c, h, KD, KH, KC, KSC, KZ, sKDp,
-                                              sKDh, sKDd, sKDg, sKHp, sKHh, sKHr, sKHg, sKCp, sKCh, sKSp, sKSh, D, G,
-                                              NB, NB_P, BIAS, SOFTCAP)
-        from_page = tl.where(part == 0, s0, tl.where(part == 1, s1, tl.where(part == 2, s2, s3)))
-        s = tl.where((t < count)[None, :], tl.where(packed, from_page, s), float("-inf"))
+    if chunk == 0:  # the sink
+        n_sink = tl.minimum(n, S)
+        base = b * sSb + h * sSh
+        s = _softcap(_tail_scores(qn, KS, KSS, base, sSt, n_sink, S_P, D, BIAS) * tail_scaling, SOFTCAP, 1.0)
+        s = tl.where((tl.arange(0, S_P) < n_sink)[None, :], s, float("-inf"))
+        live = n_sink > 0
         m_i, l_i, acc, p = _online_update(m_i, l_i, acc, s)
-        vx = tl.where(sink, VS, VW)
-        vxs = tl.where(sink, VSS, VWS)
-        vbase = tl.where(sink, sbase, b * sVWb + h * sVWh + (w // 4 * G + part * G4) * sVWt)
-        vst = tl.where(sink, sSt, sVWt)
-        acc = _tail_values(acc, p, vx, vxs, vbase, vst, count, G4, D, BIAS)
-    _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, 0, m_i, l_i, acc, n > 0, REP, REP_P, D)
+        acc = _tail_values(acc, p, VS, VSS, base, sSt, n_sink, S_P, D, BIAS)
+    else:  # one slot of the tail
+        c = n_vp + chunk - 1
+        count = tl.minimum(n - (S + c * G), G)
+        live = count > 0
+        if live:
+            if c < tl.load(NKP + b):
+                page = tl.load(KT + b * sKT + c)
+                s0, s1, s2, s3 = _page_scores(q, QG, qkeep, scaling, KD, KH, KC, KSC, KZ, page * sKDp + h * sKDh,
+                                              page * sKHp + h * sKHh, page * sKSp + h * sKSh, page * sKCp + h * sKCh,
+                                              sKDd, sKDg, sKHr, sKHg, D, G, NB, NB_P, BIAS)
+                s0 = _mask_part(_softcap(s0, SOFTCAP, 1.0), count, 0, G4)
+                s1 = _mask_part(_softcap(s1, SOFTCAP, 1.0), count, 1, G4)
+                s2 = _mask_part(_softcap(s2, SOFTCAP, 1.0), count, 2, G4)
+                s3 = _mask_part(_softcap(s3, SOFTCAP, 1.0), count, 3, G4)
+            else:
+                kb = b * sKBb + h * sKBh
+                s0 = _kv_part_scores(qn, tail_scaling, KB, KBS, kb, sKBt, count, 0, G4, D, SOFTCAP, BIAS)
+                s1 = _kv_part_scores(qn, tail_scaling, KB, KBS, kb, sKBt, count, 1, G4, D, SOFTCAP, BIAS)
+                s2 = _kv_part_scores(qn, tail_scaling, KB, KBS, kb, sKBt, count, 2, G4, D, SOFTCAP, BIAS)
+                s3 = _kv_part_scores(qn, tail_scaling, KB, KBS, kb, sKBt, count, 3, G4, D, SOFTCAP, BIAS)
+            m_i, lt, alpha, p0, p1, p2, p3 = _online_update4(m_i, tl.zeros((REP_P, G4), tl.float32), s0, s1, s2, s3)
+            l_i = tl.sum(lt, 1)
+            vw = b * sVWb + h * sVWh + (chunk - 1) * G * sVWt
+            acc = acc * alpha
+            acc = _tail_values(acc, p0, VW, VWS, vw + 0 * G4 * sVWt, sVWt, count - 0 * G4, G4, D, BIAS)
+            acc = _tail_values(acc, p1, VW, VWS, vw + 1 * G4 * sVWt, sVWt, count - 1 * G4, G4, D, BIAS)
+            acc = _tail_values(acc, p2, VW, VWS, vw + 2 * G4 * sVWt, sVWt, count - 2 * G4, G4, D, BIAS)
+            acc = _tail_values(acc, p3, VW, VWS, vw + 3 * G4 * sVWt, sVWt, count - 3 * G4, G4, D, BIAS)
+    _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, chunk, m_i, l_i, acc, live, REP, REP_P, D)
 
 
 @triton.jit
@@ -381,10 +368,10 @@ def _decode_pages_kernel(
     scaling,
     HKV: tl.constexpr, REP: tl.constexpr, REP_P: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
     S: tl.constexpr, S_P: tl.constexpr, NB: tl.constexpr, NB_P: tl.constexpr, V4: tl.constexpr,
-    PPP: tl.constexpr, BIAS: tl.constexpr, SOFTCAP: tl.constexpr, KEY8: tl.constexpr,
+    PPP: tl.constexpr, NT: tl.constexpr, BIAS: tl.constexpr, SOFTCAP: tl.constexpr, KEY8: tl.constexpr,
 ):
     """Chunk program_id(1) of the sequence's fully packed page slots (at most PPP of them: the live
-    slots split evenly over the grid's chunks), into partial 1 + program_id(1)."""
+    slots split evenly over the grid's chunks), into partial NT + 1 + program_id(1)."""
     G4: tl.constexpr = G // 4
     D4: tl.constexpr = D // 4
     b = tl.program_id(0) // HKV
@@ -500,7 +487,7 @@ def _decode_pages_kernel(
         bs = 1024.0 * tl.sum(bt, 0)[None, :]
         acc = _cat4(tl.trans(a0 - bs + zs), tl.trans((a1 - bs) * 0.25 + zs), tl.trans((a2 - bs) * 0.0625 + zs),
                     tl.trans((a3 - bs) * 0.015625 + zs))
-    _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, 1 + chunk, m_i * 0.6931471805599453, l_i, acc,
+    _store_partial(M, L, ACC, sMb, sMh, sAb, sAh, sAc, b, h, NT + 1 + chunk, m_i * 0.6931471805599453, l_i, acc,
                    count > 0, REP, REP_P, D)
 
 
