@@ -61,9 +61,9 @@ def test_fused_decode_matches_reference(spec):
 @pytest.mark.parametrize("tail", ["", "+tail_bits=8"])
 @pytest.mark.parametrize("shape", ["wide window", "long sink"])
 def test_the_tail_kernel_matches_reference_over_a_wide_window_and_a_long_sink(shape, tail):
-    """The tail kernel's loop over parts of G/4 tokens: a value window of two and a half pages (up to
-    three slots whose keys are packed, the later ones met inside the loop), and a sink of several
-    parts, the last one short."""
+    """The tail kernel past the presets' shapes: a value window of two and a half pages (four slots,
+    more than one of them with packed keys), and a sink of G/2 + 1 tokens (its tile padded to the
+    next power of two)."""
     from kernels.decode import decode_attention, decode_attention_reference
 
     extra = f"+local_window={5 * GROUP // 2}" if shape == "wide window" else f"+sink={GROUP // 2 + 1}"
