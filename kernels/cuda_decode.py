@@ -47,6 +47,7 @@ NVCC_FLAGS = ["-O3"]  # besides torch's own (`torch.utils.cpp_extension.COMMON_N
 # a `build` slower than this ran nvcc (on one H200: 27 s a build; a whole process that loaded one from
 # torch's extension cache, 4 s)
 BUILT_AFTER_S = 10.0
+TAILS = ("cuda", "triton")  # the kernels that can read the tail beside the CUDA page kernel
 
 _BINDING = r"""
 #include <vector>
@@ -69,6 +70,33 @@ int64_t page_partials(std::vector<int64_t> p, std::vector<int64_t> n, double sca
   a.batch = n[21]; a.hkv = n[22]; a.rep = n[23]; a.ppp = n[24]; a.chunks = n[25]; a.chunk0 = n[26];
   a.scaling = (float)scaling;
   return kitty_pages_launch(a, (int)n[27], (int)n[28], reinterpret_cast<void*>(p[15]));
+}
+
+int64_t tail_partials(std::vector<int64_t> p, std::vector<int64_t> n, double scaling) {
+  kitty::TailArgs t{};
+  kitty::PageArgs& a = t.p;
+  a.q = reinterpret_cast<const void*>(p[0]);
+  a.kd = reinterpret_cast<const uint8_t*>(p[1]); a.kh = reinterpret_cast<const uint8_t*>(p[2]);
+  a.kc = reinterpret_cast<const uint8_t*>(p[3]);
+  a.ks = reinterpret_cast<const half*>(p[4]); a.kz = reinterpret_cast<const half*>(p[5]);
+  a.kt = reinterpret_cast<const int*>(p[6]); a.nvp = reinterpret_cast<const int*>(p[7]);
+  a.m = reinterpret_cast<float*>(p[8]); a.l = reinterpret_cast<float*>(p[9]); a.acc = reinterpret_cast<void*>(p[10]);
+  t.ks = reinterpret_cast<const void*>(p[11]); t.vs = reinterpret_cast<const void*>(p[12]);
+  t.kb = reinterpret_cast<void*>(p[13]); t.vw = reinterpret_cast<void*>(p[14]);
+  t.kss = reinterpret_cast<const float*>(p[15]); t.vss = reinterpret_cast<const float*>(p[16]);
+  t.kbs = reinterpret_cast<float*>(p[17]); t.vws = reinterpret_cast<float*>(p[18]);
+  t.lens = reinterpret_cast<const int*>(p[19]); t.nkp = reinterpret_cast<const int*>(p[20]);
+  t.kn = reinterpret_cast<const void*>(p[21]); t.vn = reinterpret_cast<const void*>(p[22]);
+  t.w = reinterpret_cast<const int*>(p[23]);
+  a.sQb = n[0]; a.sQh = n[1]; a.sKDp = (int)n[2]; a.sKDh = n[3]; a.sKHp = (int)n[4]; a.sKHh = n[5];
+  a.sKCp = (int)n[6]; a.sKCh = n[7]; a.sKSp = (int)n[8]; a.sKSh = n[9]; a.sKT = n[10];
+  a.sMb = n[11]; a.sMh = n[12]; a.sAb = n[13]; a.sAh = n[14]; a.sAc = n[15];
+  t.sSb = n[16]; t.sSh = n[17]; t.sSt = n[18]; t.sKBb = n[19]; t.sKBh = n[20]; t.sKBt = n[21];
+  t.sVWb = n[22]; t.sVWh = n[23]; t.sVWt = n[24]; t.sKNb = n[25]; t.sKNh = n[26]; t.sVNb = n[27]; t.sVNh = n[28];
+  t.sW = n[29];
+  a.batch = n[30]; a.hkv = n[31]; a.rep = n[32]; t.sink = n[33]; t.nt = n[34]; t.fresh = n[35];
+  a.scaling = (float)scaling;
+  return kitty_tail_launch(t, (int)n[36], (int)n[37], (int)n[38], reinterpret_cast<void*>(p[24]));
 }
 """
 
@@ -115,9 +143,10 @@ def _build(n_boost: int, stages: int, source: Path | None = None):
 
     return load_inline(
         name=extension_name(n_boost, stages, source),
-        cpp_sources="int64_t page_partials(std::vector<int64_t> p, std::vector<int64_t> n, double scaling);",
+        cpp_sources="int64_t page_partials(std::vector<int64_t> p, std::vector<int64_t> n, double scaling);\n"
+                    "int64_t tail_partials(std::vector<int64_t> p, std::vector<int64_t> n, double scaling);",
         cuda_sources=[Path(source or SOURCE).read_text(), _BINDING],
-        functions=["page_partials"],
+        functions=["page_partials", "tail_partials"],
         extra_cuda_cflags=[*NVCC_FLAGS, f"-DKITTY_NB={n_boost}", f"-DKITTY_STAGES={stages}"],
     )
 
@@ -215,6 +244,50 @@ def page_partials(q: torch.Tensor, k_pages: dict, v_pages: dict, k_table: torch.
         raise RuntimeError(f"the CUDA page kernel did not launch (error {err})")
 
 
+def tail_partials(q: torch.Tensor, state: dict, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, *, rep: int,
+                  sink: int, window_slots: int, scaling: float, new: tuple | None = None,
+                  source: Path | None = None) -> None:
+    """Launch the tail kernel on the current stream: program (sequence, KV head, c) for c <= `window_slots`
+    attends query heads [B, h*rep .. (h+1)*rep) of q [B, Hq, D] to the sink (c = 0) or to window slot
+    n_vpages[b] + c - 1 (values from the value window, keys from the key q-buffer or, once packed, the
+    key page), and writes partial c of m, l, acc (as `page_partials`). `state`: the layer's
+    `kernel_state()` (16-bit or 8-bit tail buffers, its `tail_scales`). `new` = (keys [B, H, D], values
+    [B, H, D], write positions [2, B]): the step's token, which the program of its slot writes into the
+    key q-buffer and the value window first, as the Triton tail kernel does."""
+    kp = state["k_pages"]
+    kd, kh, kc, ks, kz = (kp[f] for f in ("dense", "high", "boost_ch", "scale", "zero"))
+    sk, sv, kb, vw = tail = state["k_sink"], state["v_sink"], state["k_buffer"], state["v_window"]
+    scales = state.get("tail_scales")
+    tail8 = scales is not None
+    if tail8 and not all(t.is_contiguous() for t in (*tail, *scales)):
+        raise ValueError("an 8-bit tail's codes and scales must be contiguous tensors")
+    for name, t in (("q", q), ("key sink", sk), ("value sink", sv), ("key q-buffer", kb), ("value window", vw)):
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned and contiguous in its last dim, got strides {t.stride()}")
+    if not tail8 and sk.dtype != q.dtype:
+        raise ValueError(f"a 16-bit tail is stored in the query's dtype, got {sk.dtype} and {q.dtype}")
+    kn, vn, write = new if new is not None else (q, q, state["lens"][None])  # (not read)
+    b, hkv = q.shape[0], kd.shape[1]
+    nb = kh.shape[2]
+    ext = _build(nb, 1, source)  # the tail is in every build of the source: the one-stage build's
+    kt, lens, nkp, nvp = state["k_table"], state["lens"], state["n_kpages"], state["n_vpages"]
+    sc = scales if tail8 else (sk, sk, sk, sk)  # (16-bit tail: not read)
+    ptrs = [q.data_ptr(), kd.data_ptr(), kh.data_ptr() if nb else kd.data_ptr(), kc.data_ptr() if nb else kd.data_ptr(),
+            ks.data_ptr(), kz.data_ptr(), kt.data_ptr(), nvp.data_ptr(), m.data_ptr(), l.data_ptr(), acc.data_ptr(),
+            sk.data_ptr(), sv.data_ptr(), kb.data_ptr(), vw.data_ptr(), *(t.data_ptr() for t in sc),
+            lens.data_ptr(), nkp.data_ptr(), kn.data_ptr(), vn.data_ptr(), write.data_ptr(),
+            torch.cuda.current_stream(q.device).cuda_stream]
+    sizes = [q.stride(0), q.stride(1), kd.stride(0), kd.stride(1), kh.stride(0), kh.stride(1), kc.stride(0),
+             kc.stride(1), ks.stride(0), ks.stride(1), kt.stride(0), m.stride(0), m.stride(1), acc.stride(0),
+             acc.stride(1), acc.stride(2), sk.stride(0), sk.stride(1), sk.stride(2), kb.stride(0), kb.stride(1),
+             kb.stride(2), vw.stride(0), vw.stride(1), vw.stride(2), kn.stride(0), kn.stride(1), vn.stride(0),
+             vn.stride(1), write.stride(0), b, hkv, rep, sink, window_slots, int(new is not None),
+             int(q.dtype == torch.bfloat16), int(tail8), WARPS]
+    err = ext.tail_partials(ptrs, sizes, scaling * 1.4426950408889634)  # scores in base 2
+    if err:
+        raise RuntimeError(f"the CUDA tail kernel did not launch (error {err})")
+
+
 def launch_plan(pairs: int, slots: int, sms: int, pages_per_program: int | None = None) -> tuple[int, int]:
     """(pages per program, cp.async stages) for `pairs` (sequence, KV head) runs of up to `slots` packed
     pages on `sms` SMs. Pages per program, unless given: the largest power of two up to 32 that still
@@ -238,17 +311,21 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def step_launches(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                   state: dict | None = None, pages_per_program: int | None = None, new: tuple | None = None,
-                  stages: int | None = None, source: Path | None = None):
+                  stages: int | None = None, source: Path | None = None, tail: str = "cuda"):
     """The three launches of `decode_attention` as callables on the current stream, (tail, pages,
     combine), and the output the combine writes: what the benchmark times one by one. Pages per
-    program and stages from `launch_plan` unless given; `source`: a variant of the kernel's source."""
-    from .decode import decode_launches
+    program and stages from `launch_plan` unless given; `source`: a variant of the kernel's source;
+    `tail`: "cuda" (`tail_partials`) or "triton" (the Triton tail kernel)."""
+    from .decode import _new_token, _tail_slots, decode_launches
 
+    if tail not in TAILS:
+        raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
     st = state if state is not None else layer.kernel_state()
     b, hq = query.shape[:2]
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count
     ppp, planned = launch_plan(b * layer.heads, st["max_slots"], sms, pages_per_program)
-    (tail, pages, combine), out = decode_launches(layer, query, scaling, workspace, st, pages_per_program=ppp, new=new)
+    (tail_launch, pages, combine), out = decode_launches(layer, query, scaling, workspace, st, pages_per_program=ppp,
+                                                         new=new)
     m, l, acc = pages[2][-9:-6]  # the partials, as decode_launches passes them
     chunks = pages[1][1]
 
@@ -263,18 +340,27 @@ def step_launches(layer, query: torch.Tensor, scaling: float, workspace: dict | 
                           source=source)
     else:  # a layer with no pages yet holds a stand-in page, not the pool's layout: Triton's launch
         run_pages = launch(*pages)
-    return (launch(*tail), run_pages, launch(*combine)), out
+    if tail == "cuda":
+        token = _new_token(layer, new, b) if new is not None else None
+
+        def run_tail():
+            tail_partials(query[:, :, 0], st, m, l, acc, rep=hq // layer.heads, sink=layer.config.sink,
+                          window_slots=_tail_slots(layer.config), scaling=scaling, new=token, source=source)
+    else:
+        run_tail = launch(*tail_launch)
+    return (run_tail, run_pages, launch(*combine)), out
 
 
 def decode_attention(layer, query: torch.Tensor, scaling: float, workspace: dict | None = None,
                      state: dict | None = None, pages_per_program: int | None = None,
-                     new: tuple | None = None, stages: int | None = None, source: Path | None = None) -> torch.Tensor:
-    """`kernels.decode.decode_attention` with its page launch done by the CUDA kernel: the Triton tail
-    (on a second stream) and combine as they are. Pages per program and stages from `launch_plan`
-    unless given; `source`: a variant of the kernel's source to build and launch instead. The caller
-    checks `unsupported` first."""
+                     new: tuple | None = None, stages: int | None = None, source: Path | None = None,
+                     tail: str = "cuda") -> torch.Tensor:
+    """`kernels.decode.decode_attention` with its page launch done by the CUDA kernel, and its tail by
+    the CUDA tail kernel (`tail="cuda"`, on a second stream) or the Triton one ("triton"); the Triton
+    combine. Pages per program and stages from `launch_plan` unless given; `source`: a variant of the
+    kernel's source to build and launch instead. The caller checks `unsupported` first."""
     (tail, pages, combine), out = step_launches(layer, query, scaling, workspace, state, pages_per_program, new,
-                                                stages, source)
+                                                stages, source, tail)
     main, side = torch.cuda.current_stream(query.device), _side_stream(query.device)
     side.wait_stream(main)
     pages()
@@ -304,17 +390,19 @@ def step_workspace(layer, q_heads: int, workspace: dict) -> list[torch.Tensor]:
 
 class DecodeStep:
     """`kernels.decode.DecodeStep` (steps from device counters, launches planned once) with the page
-    launch done by the CUDA kernel: the Triton tail (which writes the step's token) and combine are
-    replayed through `plan.Launch`, the page kernel is launched with the step's query."""
+    launch done by the CUDA kernel and the tail (which writes the step's token) by the CUDA tail kernel
+    (`tail="cuda"`) or the Triton one, replayed through `plan.Launch`; the Triton combine, replayed."""
 
-    def __init__(self, layer, workspace: dict):
-        self.layer, self.workspace = layer, workspace
-        self.key, self.launches, self.pages = None, None, None
+    def __init__(self, layer, workspace: dict, tail: str = "cuda"):
+        if tail not in TAILS:
+            raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
+        self.layer, self.workspace, self.tail_kind = layer, workspace, tail
+        self.key, self.launches, self.pages, self.tail = None, None, None, None
 
     def __call__(self, query: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor,
                  scaling: float) -> torch.Tensor:
         """query [B, Hq, 1, D], key_new and value_new [B, H, 1, D] -> [B, Hq, 1, D]."""
-        from .decode import decode_launches
+        from .decode import _tail_slots, decode_launches
         from .plan import Launch
 
         q, kn, vn = query[:, :, 0], key_new[:, :, 0], value_new[:, :, 0]
@@ -329,10 +417,13 @@ class DecodeStep:
             self.launches = (Launch(*tail, slots=(0, n, n + 3)), Launch(*combine, slots=(3,)))
             m, l, acc = pages[2][-9], pages[2][-8], pages[2][-7]
             chunks = pages[1][1]
+            rep = query.shape[1] // self.layer.heads
             self.pages = dict(k_pages=st["k_pages"], v_pages=st["v_pages"], k_table=st["k_table"],
                               v_table=st["v_table"], n_vpages=st["n_vpages"], m=m, l=l, acc=acc,
-                              rep=query.shape[1] // self.layer.heads, first_chunk=m.shape[2] - chunks,
+                              rep=rep, first_chunk=m.shape[2] - chunks,
                               pages_per_program=ppp, chunks=chunks, scaling=scaling, stages=stages)
+            self.tail = dict(state=st, m=m, l=l, acc=acc, rep=rep, sink=self.layer.config.sink,
+                             window_slots=_tail_slots(self.layer.config), scaling=scaling)
             self.key, kn, vn = key, tail[2][n], tail[2][n + 3]
         else:
             out = torch.empty(query.shape, device=query.device, dtype=query.dtype)  # as decode_launches makes it
@@ -340,11 +431,15 @@ class DecodeStep:
         main, side = torch.cuda.current_stream(query.device), _side_stream(query.device)
         side.wait_stream(main)
         page_partials(q, **self.pages)
-        tail.run(q, kn, vn, stream=side)
+        if self.tail_kind == "cuda":
+            with torch.cuda.stream(side):
+                tail_partials(q, **self.tail, new=(kn, vn, self.layer.steps.write))
+        else:
+            tail.run(q, kn, vn, stream=side)
         main.wait_stream(side)
         combine.run(out)
         return out
 
 
-__all__ = ["unsupported", "build", "page_partials", "launch_plan", "step_launches", "decode_attention",
+__all__ = ["unsupported", "build", "page_partials", "tail_partials", "launch_plan", "step_launches", "decode_attention",
            "DecodeStep", "step_workspace"]

@@ -227,10 +227,10 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
     largest difference from the reference. `grid_tokens`: both page kernels' grids sized for
     sequences of that many tokens, as the step of a CUDA graph over a cache of that capacity is
     (`KittyLayer.capacity_slots`; None: for the shape's length). cuDNN reads the shape's length.
-    Beside them, the tail kernel alone (the FP16 sink, q-buffer and value window, which runs beside
-    either page kernel) and the FP16 parts' bytes: its share of the step's time against their share
-    of the step's bytes; and each CUDA setting's page kernel and combine alone, which with the tail
-    say where the step's time goes (`fp16_bytes`: the tail's, at its width). `sources`: the CUDA kernel
+    Beside them, each CUDA setting's tail kernel alone (the sink, q-buffer and value window, which
+    runs beside the page kernel) and the FP16 parts' bytes: its share of the step's time against
+    their share of the step's bytes; the Triton tail kernel alone (the Triton step's); and each CUDA
+    setting's page kernel and combine alone, which with the tail say where the step's time goes (`fp16_bytes`: the tail's, at its width). `sources`: the CUDA kernel
     built from each (None: the shipped source; a path: a variant of it), every setting of each timed
     in the same rounds, named in `source`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -264,7 +264,7 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
             tail_k, tail_grid, tail_args, tail_opts = decode_launches(layer, q, scale, {}, state)[0][0]
             tail = lambda: tail_k[tail_grid](*tail_args, **tail_opts)  # noqa: E731
             fns = {"triton": graphed(triton, steps_a_graph), "cudnn": cudnn_g,
-                   "tail": graphed(tail, steps_a_graph)}
+                   "triton_tail": graphed(tail, steps_a_graph)}
             errs, runs = {}, [(src, ppp, st) for src in sources for ppp in pages_per_program for st in stages]
             for src, ppp, st in runs:
                 ws = {}
@@ -272,9 +272,10 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
                     layer, q, scale, ws, state, ppp, stages=st, source=src)
                 errs[src, ppp, st] = (fn().float() - ref).abs().max().item()
                 fns[src, ppp, st] = graphed(fn, steps_a_graph)
-                # the step's parts alone: the page kernel, and the combine (the tail is shared)
-                (_, pages, combine), _ = cuda_decode.step_launches(layer, q, scale, ws, state, ppp, stages=st,
-                                                                   source=src)
+                # the step's parts alone: the CUDA tail kernel, the page kernel and the combine
+                (tail_c, pages, combine), _ = cuda_decode.step_launches(layer, q, scale, ws, state, ppp, stages=st,
+                                                                        source=src)
+                fns["tail", src, ppp, st] = graphed(tail_c, steps_a_graph)
                 fns["pages", src, ppp, st] = graphed(pages, steps_a_graph)
                 fns["combine", src, ppp, st] = graphed(combine, steps_a_graph)
             times = {name: [] for name in fns}
@@ -295,7 +296,8 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
                     "cuda_vs_triton": ms["triton"] / t, "packed_bytes": read,
                     "cuda_TBps": read / t / 1e9, "triton_TBps": read / ms["triton"] / 1e9,
                     "cudnn_TBps": 2 * k16.numel() * k16.element_size() / ms["cudnn"] / 1e9,
-                    "tail_ms": ms["tail"], "tail_time_share": ms["tail"] / t,
+                    "tail_ms": ms["tail", src, ppp, st], "tail_time_share": ms["tail", src, ppp, st] / t,
+                    "triton_tail_ms": ms["triton_tail"],
                     "pages_ms": ms["pages", src, ppp, st], "combine_ms": ms["combine", src, ppp, st],
                     "fp16_bytes": fp16, "fp16_byte_share": fp16 / read,
                     "cuda_max_abs_err": errs[src, ppp, st], "triton_max_abs_err": err_t,

@@ -136,6 +136,60 @@ def test_a_grid_sized_for_the_capacity_spreads_each_sequence_over_all_its_chunks
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tail", ["", "+tail_bits=8"])
+@pytest.mark.parametrize("shape", ["presets", "wide window", "long sink"])
+def test_cuda_tail_kernel_matches_reference(shape, tail, dtype):
+    """The CUDA tail kernel (sink, window slots with keys in the q-buffer or packed) against the
+    reference and as close to it as the Triton tail: the presets' shapes, a value window of two and a
+    half pages (slots of packed keys beside window values), and a sink of G + G/2 + 1 tokens (more than
+    one block of a program's token loop, the last one ragged)."""
+    from kernels.decode import decode_attention_reference
+
+    extra = {"presets": "", "wide window": f"+local_window={5 * G // 2}", "long sink": f"+sink={G + G // 2 + 1}"}[shape]
+    layer = _layer("kitty-pro" + tail + extra, LENS, heads=2, dtype=dtype, seed=5)
+    if shape == "wide window":
+        st = layer.kernel_state()
+        assert max((st["n_kpages"] - st["n_vpages"]).tolist()) >= 2
+    assert cuda_decode.build(layer.n_boost) is None
+    q = torch.randn(len(LENS), 8, 1, D, device="cuda", dtype=dtype)
+    ref = decode_attention_reference(layer, q, D**-0.5).float()
+    triton_tail = cuda_decode.decode_attention(layer, q, D**-0.5, tail="triton").float()
+    out = cuda_decode.decode_attention(layer, q, D**-0.5, tail="cuda").float()
+    torch.testing.assert_close(out, ref, **TOL)
+    assert (out - ref).abs().max() <= 1.5 * (triton_tail - ref).abs().max() + 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tail", ["", "+tail_bits=8"])
+def test_a_token_the_cuda_tail_writes_gives_the_output_of_one_inserted_before_it(tail):
+    """`new=` through the CUDA tail kernel: it writes the step's token into the key q-buffer and the
+    value window (an 8-bit tail: codes and scales as the host quantizes them, bit for bit) and attends
+    to it: the same output, bit for bit, as the token inserted first."""
+    import copy
+
+    lens = [SINK + 5, SINK + G + 1, SINK + 2 * G, SINK + 3 * G + G // 2]
+    before = _layer("kitty-pro" + tail, [n - 1 for n in lens], heads=2, dtype=torch.bfloat16, seed=3)
+    before.pack_full()
+    k = torch.randn(len(lens), 2, 1, D, device="cuda", dtype=torch.bfloat16) * 2
+    v = torch.randn_like(k)
+    q = torch.randn(len(lens), 8, 1, D, device="cuda", dtype=torch.bfloat16)
+    after = copy.deepcopy(before)
+    after.insert(k, v, pack=False)
+    want = cuda_decode.decode_attention(after, q, D**-0.5)
+    write = torch.tensor([before.k_buffer.lens, before.v_window.lens], device="cuda")
+    state = before.kernel_state()
+    state["lens"] = state["lens"] + 1
+    got = cuda_decode.decode_attention(before, q, D**-0.5, state=state, new=(k, v, write))
+    for region in ("k_buffer", "v_window"):
+        mine, host = getattr(before, region), getattr(after, region)
+        for b, n in enumerate(host.lens):
+            for x, y in zip(mine.tensors(), host.tensors()):
+                assert torch.equal(x[b, :, :n], y[b, :, :n]), (region, b)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
 def test_dead_programs_are_skipped_whatever_the_workspace_holds():
     """Programs past a sequence's pages write only their max: stale sums and outputs in the
     workspace must not reach the result."""
