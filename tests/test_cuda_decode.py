@@ -162,31 +162,37 @@ def test_cuda_tail_kernel_matches_reference(shape, tail, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tail", ["", "+tail_bits=8"])
-def test_a_token_the_cuda_tail_writes_gives_the_output_of_one_inserted_before_it(tail):
+def test_the_cuda_tail_writes_the_steps_token_as_the_triton_tail_does(tail):
     """`new=` through the CUDA tail kernel: it writes the step's token into the key q-buffer and the
-    value window (an 8-bit tail: codes and scales as the host quantizes them, bit for bit) and attends
-    to it: the same output, bit for bit, as the token inserted first."""
+    value window as the Triton tail kernel does (an 8-bit tail: the same codes and scales, bit for bit;
+    `tests/test_kernels.py` checks those against the host's), and its output equals, bit for bit, that
+    of the same state with the token stored before the step."""
     import copy
 
+    from kernels.decode import decode_attention
+
+    # the new token: mid-slot, first of a slot, a q-buffer's last, after a few pages
     lens = [SINK + 5, SINK + G + 1, SINK + 2 * G, SINK + 3 * G + G // 2]
     before = _layer("kitty-pro" + tail, [n - 1 for n in lens], heads=2, dtype=torch.bfloat16, seed=3)
     before.pack_full()
     k = torch.randn(len(lens), 2, 1, D, device="cuda", dtype=torch.bfloat16) * 2
     v = torch.randn_like(k)
     q = torch.randn(len(lens), 8, 1, D, device="cuda", dtype=torch.bfloat16)
-    after = copy.deepcopy(before)
-    after.insert(k, v, pack=False)
-    want = cuda_decode.decode_attention(after, q, D**-0.5)
     write = torch.tensor([before.k_buffer.lens, before.v_window.lens], device="cuda")
-    state = before.kernel_state()
-    state["lens"] = state["lens"] + 1
-    got = cuda_decode.decode_attention(before, q, D**-0.5, state=state, new=(k, v, write))
+    by_triton, by_cuda = copy.deepcopy(before), copy.deepcopy(before)
+    outs = {}
+    for name, layer, attend in (("triton", by_triton, decode_attention),
+                                ("cuda", by_cuda, cuda_decode.decode_attention)):
+        state = layer.kernel_state()
+        state["lens"] = state["lens"] + 1
+        outs[name] = attend(layer, q, D**-0.5, state=state, new=(k, v, write))
     for region in ("k_buffer", "v_window"):
-        mine, host = getattr(before, region), getattr(after, region)
-        for b, n in enumerate(host.lens):
-            for x, y in zip(mine.tensors(), host.tensors()):
-                assert torch.equal(x[b, :, :n], y[b, :, :n]), (region, b)
-    assert torch.equal(got, want)
+        for x, y in zip(getattr(by_cuda, region).tensors(), getattr(by_triton, region).tensors()):
+            assert torch.equal(x, y), region
+    state = by_triton.kernel_state()
+    state["lens"] = state["lens"] + 1  # the token is stored: the same step without `new`
+    assert torch.equal(outs["cuda"], cuda_decode.decode_attention(by_triton, q, D**-0.5, state=state))
+    torch.testing.assert_close(outs["cuda"].float(), outs["triton"].float(), **TOL)
 
 
 @pytest.mark.gpu
@@ -391,11 +397,13 @@ def _teacher_forced_logits(model, prompt: torch.Tensor, tokens: torch.Tensor, ca
 @pytest.mark.gpu
 @pytest.mark.parametrize("device_steps", [False, True])
 @pytest.mark.parametrize("deep_waves", [cuda_decode.DEEP_WAVES, 0])
-def test_engine_with_cuda_pages_agrees_with_reference(device_steps, deep_waves, monkeypatch):
+@pytest.mark.parametrize("method", ["kitty-pro", "kitty-pro+tail_bits=8"])
+def test_engine_with_cuda_pages_agrees_with_reference(method, device_steps, deep_waves, monkeypatch):
     """A random decoder of Qwen3's head size: logits of decode steps after a 700-token prompt (pages
     of keys and of values) through `triton+pages=cuda`, on the host's record and from device
     counters, against the reference engine; the CUDA kernel, not the fallback, read the pages, at
-    the depth the launch plan picks for this small grid (two stages) and with one stage forced."""
+    the depth the launch plan picks for this small grid (two stages) and with one stage forced; the
+    tail (16 or 8 bits) read by the CUDA tail kernel, which from device counters writes each token."""
     monkeypatch.setattr(cuda_decode, "DEEP_WAVES", deep_waves)
 
     from kitty_core import KittyCache
@@ -404,7 +412,7 @@ def test_engine_with_cuda_pages_agrees_with_reference(device_steps, deep_waves, 
     ids = torch.randint(3, 512, (2, 703), device="cuda")
     logits, caches = {}, {}
     for engine in ("reference", "triton+pages=cuda"):
-        cache = caches[engine] = KittyCache(model, "kitty-pro", engine=engine, device_steps=device_steps)
+        cache = caches[engine] = KittyCache(model, method, engine=engine, device_steps=device_steps)
         with torch.inference_mode():
             model(input_ids=ids[:, :700], past_key_values=cache)
             steps = [model(input_ids=ids[:, i : i + 1], past_key_values=cache).logits[:, -1].float()
