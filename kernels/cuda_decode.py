@@ -87,7 +87,7 @@ int64_t tail_partials(std::vector<int64_t> p, std::vector<int64_t> n, double sca
   t.kbs = reinterpret_cast<float*>(p[17]); t.vws = reinterpret_cast<float*>(p[18]);
   t.lens = reinterpret_cast<const int*>(p[19]); t.nkp = reinterpret_cast<const int*>(p[20]);
   t.kn = reinterpret_cast<const void*>(p[21]); t.vn = reinterpret_cast<const void*>(p[22]);
-  t.w = reinterpret_cast<const int*>(p[23]);
+  t.w = reinterpret_cast<const long long*>(p[23]);
   a.sQb = n[0]; a.sQh = n[1]; a.sKDp = (int)n[2]; a.sKDh = n[3]; a.sKHp = (int)n[4]; a.sKHh = n[5];
   a.sKCp = (int)n[6]; a.sKCh = n[7]; a.sKSp = (int)n[8]; a.sKSh = n[9]; a.sKT = n[10];
   a.sMb = n[11]; a.sMh = n[12]; a.sAb = n[13]; a.sAh = n[14]; a.sAc = n[15];
@@ -246,14 +246,15 @@ def page_partials(q: torch.Tensor, k_pages: dict, v_pages: dict, k_table: torch.
 
 def tail_partials(q: torch.Tensor, state: dict, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, *, rep: int,
                   sink: int, window_slots: int, scaling: float, new: tuple | None = None,
-                  source: Path | None = None) -> None:
+                  source: Path | None = None, stream: torch.cuda.Stream | None = None) -> None:
     """Launch the tail kernel on the current stream: program (sequence, KV head, c) for c <= `window_slots`
     attends query heads [B, h*rep .. (h+1)*rep) of q [B, Hq, D] to the sink (c = 0) or to window slot
     n_vpages[b] + c - 1 (values from the value window, keys from the key q-buffer or, once packed, the
     key page), and writes partial c of m, l, acc (as `page_partials`). `state`: the layer's
     `kernel_state()` (16-bit or 8-bit tail buffers, its `tail_scales`). `new` = (keys [B, H, D], values
     [B, H, D], write positions [2, B]): the step's token, which the program of its slot writes into the
-    key q-buffer and the value window first, as the Triton tail kernel does."""
+    key q-buffer and the value window first, as the Triton tail kernel does (positions int64, as
+    `KittyLayer.steps.write` keeps them). `stream`: where to launch (None: the current stream)."""
     kp = state["k_pages"]
     kd, kh, kc, ks, kz = (kp[f] for f in ("dense", "high", "boost_ch", "scale", "zero"))
     sk, sv, kb, vw = tail = state["k_sink"], state["v_sink"], state["k_buffer"], state["v_window"]
@@ -266,7 +267,9 @@ def tail_partials(q: torch.Tensor, state: dict, m: torch.Tensor, l: torch.Tensor
             raise ValueError(f"{name} must be 16-byte aligned and contiguous in its last dim, got strides {t.stride()}")
     if not tail8 and sk.dtype != q.dtype:
         raise ValueError(f"a 16-bit tail is stored in the query's dtype, got {sk.dtype} and {q.dtype}")
-    kn, vn, write = new if new is not None else (q, q, state["lens"][None])  # (not read)
+    kn, vn, write = new if new is not None else (q, q, state["k_table"])  # (not read)
+    if new is not None and (write.dtype != torch.int64 or write.stride(-1) != 1):
+        raise ValueError(f"the write positions must be int64 and contiguous per row, got {write.dtype}, {write.stride()}")
     b, hkv = q.shape[0], kd.shape[1]
     nb = kh.shape[2]
     ext = _build(nb, 1, source)  # the tail is in every build of the source: the one-stage build's
@@ -276,7 +279,7 @@ def tail_partials(q: torch.Tensor, state: dict, m: torch.Tensor, l: torch.Tensor
             ks.data_ptr(), kz.data_ptr(), kt.data_ptr(), nvp.data_ptr(), m.data_ptr(), l.data_ptr(), acc.data_ptr(),
             sk.data_ptr(), sv.data_ptr(), kb.data_ptr(), vw.data_ptr(), *(t.data_ptr() for t in sc),
             lens.data_ptr(), nkp.data_ptr(), kn.data_ptr(), vn.data_ptr(), write.data_ptr(),
-            torch.cuda.current_stream(q.device).cuda_stream]
+            (stream or torch.cuda.current_stream(q.device)).cuda_stream]
     sizes = [q.stride(0), q.stride(1), kd.stride(0), kd.stride(1), kh.stride(0), kh.stride(1), kc.stride(0),
              kc.stride(1), ks.stride(0), ks.stride(1), kt.stride(0), m.stride(0), m.stride(1), acc.stride(0),
              acc.stride(1), acc.stride(2), sk.stride(0), sk.stride(1), sk.stride(2), kb.stride(0), kb.stride(1),
@@ -432,8 +435,7 @@ class DecodeStep:
         side.wait_stream(main)
         page_partials(q, **self.pages)
         if self.tail_kind == "cuda":
-            with torch.cuda.stream(side):
-                tail_partials(q, **self.tail, new=(kn, vn, self.layer.steps.write))
+            tail_partials(q, **self.tail, new=(kn, vn, self.layer.steps.write), stream=side)
         else:
             tail.run(q, kn, vn, stream=side)
         main.wait_stream(side)

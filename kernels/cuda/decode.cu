@@ -676,7 +676,7 @@ struct TailArgs {
   const int* lens; const int* nkp;
   const void* kn; long long sKNb, sKNh;  // the step's token [B, H, D] (fresh only)
   const void* vn; long long sVNb, sVNh;
-  const int* w; long long sW;  // its write positions in the q-buffer and the window [2, B]
+  const long long* w; long long sW;  // its write positions in the q-buffer and the window [2, B]
   int sink, nt, fresh;
 };
 
