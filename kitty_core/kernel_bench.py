@@ -230,8 +230,9 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
     Beside them, each CUDA setting's tail kernel alone (the sink, q-buffer and value window, which
     runs beside the page kernel) and the FP16 parts' bytes: its share of the step's time against
     their share of the step's bytes; the Triton tail kernel alone (the Triton step's); and each CUDA
-    setting's page kernel and combine alone, which with the tail say where the step's time goes (`fp16_bytes`: the tail's, at its width). `sources`: the CUDA kernel
-    built from each (None: the shipped source; a path: a variant of it), every setting of each timed
+    setting's page kernel and combine alone, which with the tail say where the step's time goes
+    (`fp16_bytes`: the tail's, at its width); and each CUDA setting's step with the Triton tail kernel
+    beside its page kernel instead (`cuda_triton_tail_ms`). `sources`: the CUDA kernel built from each (None: the shipped source; a path: a variant of it), every setting of each timed
     in the same rounds, named in `source`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -272,6 +273,10 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
                     layer, q, scale, ws, state, ppp, stages=st, source=src)
                 errs[src, ppp, st] = (fn().float() - ref).abs().max().item()
                 fns[src, ppp, st] = graphed(fn, steps_a_graph)
+                # the same step with the Triton tail kernel beside the CUDA page kernel
+                fns["triton_tail_step", src, ppp, st] = graphed(
+                    lambda ws=ws, src=src, ppp=ppp, st=st: cuda_decode.decode_attention(
+                        layer, q, scale, ws, state, ppp, stages=st, source=src, tail="triton"), steps_a_graph)
                 # the step's parts alone: the CUDA tail kernel, the page kernel and the combine
                 (tail_c, pages, combine), _ = cuda_decode.step_launches(layer, q, scale, ws, state, ppp, stages=st,
                                                                         source=src)
@@ -297,7 +302,8 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
                     "cuda_TBps": read / t / 1e9, "triton_TBps": read / ms["triton"] / 1e9,
                     "cudnn_TBps": 2 * k16.numel() * k16.element_size() / ms["cudnn"] / 1e9,
                     "tail_ms": ms["tail", src, ppp, st], "tail_time_share": ms["tail", src, ppp, st] / t,
-                    "triton_tail_ms": ms["triton_tail"],
+                    "triton_tail_ms": ms["triton_tail"], "cuda_triton_tail_ms": ms["triton_tail_step", src, ppp, st],
+                    "cuda_tail_vs_triton_tail": ms["triton_tail_step", src, ppp, st] / t,
                     "pages_ms": ms["pages", src, ppp, st], "combine_ms": ms["combine", src, ppp, st],
                     "fp16_bytes": fp16, "fp16_byte_share": fp16 / read,
                     "cuda_max_abs_err": errs[src, ppp, st], "triton_max_abs_err": err_t,
