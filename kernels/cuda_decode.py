@@ -262,18 +262,23 @@ def tail_partials(q: torch.Tensor, state: dict, m: torch.Tensor, l: torch.Tensor
     tail8 = scales is not None
     if tail8 and not all(t.is_contiguous() for t in (*tail, *scales)):
         raise ValueError("an 8-bit tail's codes and scales must be contiguous tensors")
-    for name, t in (("q", q), ("key sink", sk), ("value sink", sv), ("key q-buffer", kb), ("value window", vw)):
-        if t.stride(-1) != 1 or t.data_ptr() % 16:
-            raise ValueError(f"{name} must be 16-byte aligned and contiguous in its last dim, got strides {t.stride()}")
+    kn, vn, write = new if new is not None else (q, q, state["k_table"])  # (not read)
+    for name, t in (("q", q), ("key sink", sk), ("value sink", sv), ("key q-buffer", kb), ("value window", vw),
+                    ("the step's keys", kn), ("the step's values", vn)):
+        rows = 16 // t.element_size()  # the kernel loads rows 16 bytes at a time
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(x % rows for x in t.stride()[:-1]):
+            raise ValueError(f"{name} must be contiguous in its last dim with 16-byte aligned rows, got strides "
+                             f"{t.stride()} of {t.dtype}")
     if not tail8 and sk.dtype != q.dtype:
         raise ValueError(f"a 16-bit tail is stored in the query's dtype, got {sk.dtype} and {q.dtype}")
-    kn, vn, write = new if new is not None else (q, q, state["k_table"])  # (not read)
     if new is not None and (write.dtype != torch.int64 or write.stride(-1) != 1):
         raise ValueError(f"the write positions must be int64 and contiguous per row, got {write.dtype}, {write.stride()}")
     b, hkv = q.shape[0], kd.shape[1]
     nb = kh.shape[2]
     ext = _build(nb, 1, source)  # the tail is in every build of the source: the one-stage build's
     kt, lens, nkp, nvp = state["k_table"], state["lens"], state["n_kpages"], state["n_vpages"]
+    if any(t.dtype != torch.int32 for t in (kt, lens, nkp, nvp)):
+        raise ValueError("the key page table, lengths and page counts must be int32")
     sc = scales if tail8 else (sk, sk, sk, sk)  # (16-bit tail: not read)
     ptrs = [q.data_ptr(), kd.data_ptr(), kh.data_ptr() if nb else kd.data_ptr(), kc.data_ptr() if nb else kd.data_ptr(),
             ks.data_ptr(), kz.data_ptr(), kt.data_ptr(), nvp.data_ptr(), m.data_ptr(), l.data_ptr(), acc.data_ptr(),
