@@ -398,10 +398,13 @@ def step_workspace(layer, q_heads: int, workspace: dict) -> list[torch.Tensor]:
 
 class DecodeStep:
     """`kernels.decode.DecodeStep` (steps from device counters, launches planned once) with the page
-    launch done by the CUDA kernel and the tail (which writes the step's token) by the CUDA tail kernel
-    (`tail="cuda"`) or the Triton one, replayed through `plan.Launch`; the Triton combine, replayed."""
+    launch done by the CUDA kernel and the tail (which writes the step's token) by the Triton tail
+    kernel, replayed through `plan.Launch` (the default), or by the CUDA tail kernel (`tail="cuda"`);
+    the Triton combine, replayed. The default stays Triton's: under `torch.compile`'s CUDA graphs
+    (`model.generate` compiled) a step with the CUDA tail has raised the graph pool's error about
+    untracked tensors (`docs/engine.md`), which the engine's generation must not meet."""
 
-    def __init__(self, layer, workspace: dict, tail: str = "cuda"):
+    def __init__(self, layer, workspace: dict, tail: str = "triton"):
         if tail not in TAILS:
             raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
         self.layer, self.workspace, self.tail_kind = layer, workspace, tail

@@ -402,8 +402,8 @@ def test_engine_with_cuda_pages_agrees_with_reference(method, device_steps, deep
     """A random decoder of Qwen3's head size: logits of decode steps after a 700-token prompt (pages
     of keys and of values) through `triton+pages=cuda`, on the host's record and from device
     counters, against the reference engine; the CUDA kernel, not the fallback, read the pages, at
-    the depth the launch plan picks for this small grid (two stages) and with one stage forced; the
-    tail (16 or 8 bits) read by the CUDA tail kernel, which from device counters writes each token."""
+    the depth the launch plan picks for this small grid (two stages) and with one stage forced; a tail
+    of 16 or 8 bits (read by the CUDA tail kernel in the host's steps, by Triton's from device counters)."""
     monkeypatch.setattr(cuda_decode, "DEEP_WAVES", deep_waves)
 
     from kitty_core import KittyCache
