@@ -232,8 +232,9 @@ def bench_cuda(shapes, boosts, pages_per_program=(None,), stages=(None,), q_head
     their share of the step's bytes; the Triton tail kernel alone (the Triton step's); and each CUDA
     setting's page kernel and combine alone, which with the tail say where the step's time goes
     (`fp16_bytes`: the tail's, at its width); and each CUDA setting's step with the Triton tail kernel
-    beside its page kernel instead (`cuda_triton_tail_ms`). `sources`: the CUDA kernel built from each (None: the shipped source; a path: a variant of it), every setting of each timed
-    in the same rounds, named in `source`."""
+    beside its page kernel instead (`cuda_triton_tail_ms`). `sources`: the CUDA kernel built from each
+    (None: the shipped source; a path: a variant of it), every setting of each timed in the same
+    rounds, named in `source`."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from kernels import cuda_decode
