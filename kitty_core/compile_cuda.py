@@ -123,7 +123,7 @@ def inspect_cuda(cubin: bytes, source: Path, dtype: str = "bf16") -> dict:
             raise RuntimeError(f"reading the compiled kernel needs Triton's cuobjdump and nvdisasm: {e}") from e
     fn = _function(listing, dtype)
     name = DTYPES[dtype]
-    reg = re.search(rf"Function [^\n]*{name}[^\n]*:\s*\n\s*REG:(\d+)", usage)
+    reg = re.search(rf"Function [^\n]*pages_kernel[^\n]*{name}[^\n]*:\s*\n\s*REG:(\d+)", usage)
     if reg is None:
         raise RuntimeError(f"cuobjdump reported no registers for pages_kernel<{name}, ...>")
     body = page_loop(fn, source)

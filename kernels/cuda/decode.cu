@@ -613,12 +613,12 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
   }
 }
 
-template <typename T, int NB, int STAGES>
-int launch_t(const PageArgs& a, int warps, cudaStream_t stream) {
-  const size_t bytes = (size_t)warps * warp_bytes<NB, STAGES>();
-  auto kern = pages_kernel<T, NB, STAGES>;
-  // the shared-memory limit is an attribute of the kernel in one device's context: set once per device
-  // (a model split over GPUs launches on each), for the most warps a block takes, before any capture
+// Launch KERN over `items` one-warp programs, `warps` a block, each warp with `per_warp` bytes of dynamic
+// shared memory. The shared-memory limit is an attribute of the kernel in one device's context: set
+// once per device (a model split over GPUs launches on each), for the most warps a block takes (4),
+// before any capture.
+template <auto KERN, typename Args>
+int launch_warps(const Args& a, long long items, int per_warp, int warps, cudaStream_t stream) {
   constexpr int DEVICES = 64;
   static bool sized[DEVICES] = {};
   int dev = 0;
@@ -626,15 +626,20 @@ int launch_t(const PageArgs& a, int warps, cudaStream_t stream) {
   if (e != cudaSuccess) return (int)e;
   if (dev >= DEVICES) return (int)cudaErrorInvalidDevice;
   if (!sized[dev]) {
-    e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, 4 * warp_bytes<NB, STAGES>());
+    e = cudaFuncSetAttribute(KERN, cudaFuncAttributeMaxDynamicSharedMemorySize, 4 * per_warp);
     if (e != cudaSuccess) return (int)e;
     sized[dev] = true;
   }
-  const long long items = (long long)a.batch * a.hkv * a.chunks;
   const int blocks = (int)((items + warps - 1) / warps);
   if (blocks == 0) return 0;
-  kern<<<blocks, warps * 32, bytes, stream>>>(a);
+  KERN<<<blocks, warps * 32, (size_t)warps * per_warp, stream>>>(a);
   return (int)cudaGetLastError();
+}
+
+template <typename T, int NB, int STAGES>
+int launch_t(const PageArgs& a, int warps, cudaStream_t stream) {
+  return launch_warps<pages_kernel<T, NB, STAGES>>(a, (long long)a.batch * a.hkv * a.chunks, warp_bytes<NB, STAGES>(),
+                                                   warps, stream);
 }
 
 
@@ -1034,23 +1039,8 @@ __global__ void __launch_bounds__(128) tail_kernel(const TailArgs ta) {
 
 template <typename T, typename X, int NB>
 int tail_launch_t(const TailArgs& a, int warps, cudaStream_t stream) {
-  auto kern = tail_kernel<T, X, NB>;
-  constexpr int DEVICES = 64;
-  static bool sized[DEVICES] = {};
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return (int)e;
-  if (dev >= DEVICES) return (int)cudaErrorInvalidDevice;
-  if (!sized[dev]) {
-    e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, 4 * tail_warp_bytes<NB>());
-    if (e != cudaSuccess) return (int)e;
-    sized[dev] = true;
-  }
-  const long long items = (long long)a.p.batch * a.p.hkv * (a.nt + 1);
-  const int blocks = (int)((items + warps - 1) / warps);
-  if (blocks == 0) return 0;
-  kern<<<blocks, warps * 32, (size_t)warps * tail_warp_bytes<NB>(), stream>>>(a);
-  return (int)cudaGetLastError();
+  return launch_warps<tail_kernel<T, X, NB>>(a, (long long)a.p.batch * a.p.hkv * (a.nt + 1), tail_warp_bytes<NB>(),
+                                             warps, stream);
 }
 
 }  // namespace
