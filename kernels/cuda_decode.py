@@ -1,10 +1,11 @@
-"""The page part of fused decode attention as a CUDA C++ kernel (`kernels/cuda/decode.cu`), built at
-first use with `torch.utils.cpp_extension.load_inline` and cached by torch's extension cache.
+"""The page and tail parts of fused decode attention as CUDA C++ kernels (`kernels/cuda/decode.cu`),
+built at first use with `torch.utils.cpp_extension.load_inline` and cached by torch's extension cache.
 
-The kernel reads the library's packed pages as they are stored (`kitty_core.page_pool.PagePool`) and
-writes the same partial softmaxes as the Triton page kernel, so the Triton tail kernel (the FP16
-sink, q-buffer and value window) and the combine stay as they are: `decode_attention` is the Triton
-step with its page launch replaced. Why the layout is chosen there (tensor-core fragments built from
+The page kernel reads the library's packed pages as they are stored (`kitty_core.page_pool.PagePool`)
+and writes the same partial softmaxes as the Triton page kernel; the tail kernel (`tail_partials`:
+the sink, q-buffer and value window, 16-bit or 8-bit) writes the Triton tail kernel's, and the
+Triton combine merges them: `decode_attention` is the Triton step with its page launch and (unless
+`tail="triton"`) its tail launch replaced. Why the layout is chosen there (tensor-core fragments built from
 codes in registers, query heads as the narrow operand, the score tile transposed into the value
 operand with `movmatrix`, cp.async stages per warp, key dots in 8 bits) is written at the top of the
 .cu file. Its key dots are int8, rounded as the Triton kernel's int8 key dots are (the library's
@@ -451,5 +452,5 @@ class DecodeStep:
         return out
 
 
-__all__ = ["unsupported", "build", "page_partials", "tail_partials", "launch_plan", "step_launches", "decode_attention",
-           "DecodeStep", "step_workspace"]
+__all__ = ["unsupported", "build", "page_partials", "tail_partials", "launch_plan", "step_launches",
+           "decode_attention", "DecodeStep", "step_workspace"]

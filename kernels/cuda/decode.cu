@@ -818,7 +818,8 @@ __device__ __forceinline__ void attend(Running& r, const TailTokens& tk, const f
           key_row_pairs<X>(k1, static_cast<const X*>(tk.k) + tk.kat + (tok + 1) * tk.skt, tok + 1 < tk.count, t);
           float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-          for (int kk = 0; kk < 8; ++kk) Mma<OT>::run(d, k0[2 * kk], k1[2 * kk], k0[2 * kk + 1], k1[2 * kk + 1], qb[2 * kk], qb[2 * kk + 1]);
+          for (int kk = 0; kk < 8; ++kk)
+            Mma<OT>::run(d, k0[2 * kk], k1[2 * kk], k0[2 * kk + 1], k1[2 * kk + 1], qb[2 * kk], qb[2 * kk + 1]);
           if constexpr (I8) {
             ksc[jh][0] = tok < tk.count ? tk.kscale[(tk.kat + tok * tk.skt) / D] : 0.f;
             ksc[jh][1] = tok + 1 < tk.count ? tk.kscale[(tk.kat + (tok + 1) * tk.skt) / D] : 0.f;
@@ -999,7 +1000,8 @@ __global__ void __launch_bounds__(128) tail_kernel(const TailArgs ta) {
       const float up = __int_as_float((268 - top) << 23), down = __int_as_float((top - 14) << 23);
       uint32_t f[16];
 #pragma unroll
-      for (int j = 0; j < 16; ++j) f[j] = half2_bits(__floats2half2_rn(to_f<T>(v[2 * j]) * up, to_f<T>(v[2 * j + 1]) * up));
+      for (int j = 0; j < 16; ++j)
+        f[j] = half2_bits(__floats2half2_rn(to_f<T>(v[2 * j]) * up, to_f<T>(v[2 * j + 1]) * up));
 #pragma unroll
       for (int j = 0; j < 16; ++j) qb[j] = f[j];
       colf0 = __shfl_sync(~0u, down, 8 * t) * a.scaling;
