@@ -8,6 +8,7 @@ of them: registers, spills, shared memory and the SASS instruction mix of each k
     python -m kitty_core.compile --warps 4 --max-registers 0
     python -m kitty_core.compile --new-token --unpack ptx  # the tail as graph-replayed steps launch it
     python -m kitty_core.compile --cuda --parts            # the CUDA page kernel (needs nvcc): kitty_core.compile_cuda
+    python -m kitty_core.compile --cuda --tail             # the CUDA tail kernel, 16- and 8-bit tails
     kitty-compile ...                                      # the same, installed
 
 Triton's wheel ships ptxas and cuobjdump, so this needs neither a GPU nor a CUDA install. It shows
@@ -147,6 +148,8 @@ def arguments():
     c.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="the queries' dtype (default bf16)")
     c.add_argument("--cuda-arch", default=None, help="the GPU to compile for (default sm_90a)")
     c.add_argument("--parts", action="store_true", help="the page loop's instructions by part of the kernel")
+    c.add_argument("--tail", action="store_true", help="the CUDA tail kernel instead (16- and 8-bit tails; "
+                   "--boosted default 32)")
     p.add_argument("--columns", default="kernel,unpack,key_dots,warps,registers,spill_ops,loop_spill_ops,shared_bytes,instructions,"
                    "loop_instructions,warp_instructions_per_page,"
                    "loop_tensor core,loop_integer/bit,loop_shared,loop_float,loop_shuffle,loop_other")
@@ -158,8 +161,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)  # before torch and Triton load
     if a.cuda:
         return cuda_main(a, p)
-    given = [f"--{k.replace('_', '-')}" for k in ("boosted", "cuda_stages", "cuda_source", "dtype", "cuda_arch", "parts")
-             if getattr(a, k)]
+    given = [f"--{k.replace('_', '-')}" for k in ("boosted", "cuda_stages", "cuda_source", "dtype", "cuda_arch", "parts",
+                                                  "tail") if getattr(a, k)]
     if given:
         p.error(f"{', '.join(given)}: options of the CUDA page kernel's report, which --cuda asks for")
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -180,7 +183,7 @@ def main(argv=None) -> int:
 def cuda_main(a, p) -> int:
     from kernels.cuda_decode import BOOSTED
 
-    from .compile_cuda import cuda_report, parts_table
+    from .compile_cuda import cuda_report, parts_table, tail_report
 
     def counts(text: str, what: str) -> tuple[int, ...]:
         try:
@@ -188,7 +191,8 @@ def cuda_main(a, p) -> int:
         except ValueError:
             p.error(f"{what}: a comma-separated list of integers, got {text!r}")
 
-    boosted, stages = counts(a.boosted or "0,16,32,64", "--boosted"), counts(a.cuda_stages or "1,2", "--cuda-stages")
+    boosted = counts(a.boosted or ("32" if a.tail else "0,16,32,64"), "--boosted")
+    stages = counts(a.cuda_stages or "1,2", "--cuda-stages")
     if not set(boosted) <= set(BOOSTED):
         p.error(f"--boosted: the kernel is built for {', '.join(map(str, BOOSTED))} boosted channels, got {a.boosted}")
     if not set(stages) <= {1, 2}:
@@ -196,6 +200,15 @@ def cuda_main(a, p) -> int:
     source = Path(a.cuda_source) if a.cuda_source else None
     if source is not None and not source.is_file():
         p.error(f"--cuda-source: no file {source}")
+    if a.tail:
+        try:
+            df = tail_report(boosted, source, a.dtype or "bf16", a.cuda_arch or "sm_90a")
+        except RuntimeError as e:
+            p.exit(2, f"kitty_core.compile: {e}\n")
+        cols = ["boosted", "tail_bits", "registers", "spill_ops", "instructions", "loop_instructions",
+                "loop_tensor core", "loop_integer/bit", "loop_float", "loop_conversion", "loop_shared", "loop_other"]
+        print(df[cols].to_string(index=False))
+        return 0
     try:
         df = cuda_report(boosted, stages, source, a.dtype or "bf16", a.cuda_arch or "sm_90a")
     except RuntimeError as e:

@@ -1,11 +1,14 @@
 """The CUDA page kernel (`kernels/cuda/decode.cu`) compiled by nvcc on any machine, GPU or not, and
 read as machine code: registers, spills and the SASS of one trip of its page loop (one page slot of
 one sequence and KV head), in all and by part of the kernel (the `// ---- part: ...` sections of its
-source), each instruction counted where it was written, not where a helper it calls was defined.
+source), each instruction counted where it was written, not where a helper it calls was defined;
+and the tail kernel of the same file (`inspect_tail`): its registers, spills and the SASS of one
+32-token block of its token loop.
 
     python -m kitty_core.compile --cuda                         # 0/16/32/64 boosted channels, 1 and 2 stages
     python -m kitty_core.compile --cuda --boosted 32 --cuda-stages 1 --parts
     python -m kitty_core.compile --cuda --cuda-source my_variant.cu --parts   # price a change before timing it
+    python -m kitty_core.compile --cuda --tail                  # the tail kernel: a 32-token block's SASS
 
 It needs nvcc (the CUDA toolkit); the disassembler comes with Triton's wheel. The count is static,
 the instructions of the loop's body, which a warp issues once a page (what the few branches inside
@@ -108,11 +111,10 @@ def located(disassembly: str, source: str) -> list[tuple[int, str, int | None]]:
     return rows
 
 
-def inspect_cuda(cubin: bytes, source: Path, dtype: str = "bf16") -> dict:
-    """Registers, spills and the page loop's SASS (per page: `loop_*`, and `part:<name>` by part) of
-    the CUDA page kernel for one dtype of the queries."""
+def _read(cubin: bytes) -> tuple[str, str]:
+    """(cuobjdump's resource usage, nvdisasm's listing with line information) of a cubin."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "pages.cubin"
+        path = Path(tmp) / "kernels.cubin"
         path.write_bytes(cubin)
         try:
             usage = subprocess.run([tools() / "cuobjdump", "--dump-resource-usage", path], capture_output=True,
@@ -121,6 +123,13 @@ def inspect_cuda(cubin: bytes, source: Path, dtype: str = "bf16") -> dict:
                                      check=True).stdout
         except (ImportError, OSError, subprocess.CalledProcessError) as e:
             raise RuntimeError(f"reading the compiled kernel needs Triton's cuobjdump and nvdisasm: {e}") from e
+    return usage, listing
+
+
+def inspect_cuda(cubin: bytes, source: Path, dtype: str = "bf16") -> dict:
+    """Registers, spills and the page loop's SASS (per page: `loop_*`, and `part:<name>` by part) of
+    the CUDA page kernel for one dtype of the queries."""
+    usage, listing = _read(cubin)
     fn = _function(listing, dtype)
     name = DTYPES[dtype]
     reg = re.search(rf"Function [^\n]*pages_kernel[^\n]*{name}[^\n]*:\s*\n\s*REG:(\d+)", usage)
@@ -133,6 +142,43 @@ def inspect_cuda(cubin: bytes, source: Path, dtype: str = "bf16") -> dict:
     return {"registers": int(reg.group(1)), "spill_ops": ops["STL"] + ops["LDL"],
             "loop_spill_ops": loop_ops["STL"] + loop_ops["LDL"], **family_mix(ops), **family_mix(loop_ops, "loop_"),
             **{f"part:{p}": n for p, n in by_part.items()}}
+
+
+# the mangled template arguments of tail_kernel<T, X, NB>: T by dtype; X int8 ("a") or T again ("S...")
+_MANGLED = {"bf16": "13__nv_bfloat16", "fp16": "6__half"}
+
+
+def inspect_tail(cubin: bytes, dtype: str = "bf16", tail_bits: int = 8) -> dict:
+    """Registers, spills and SASS of the CUDA tail kernel for one dtype of the queries and one tail
+    width: in all, and in the body of its longest loop (`loop_*`: a 32-token block of the token loop
+    of a program whose keys are in the q-buffer or the sink)."""
+    usage, listing = _read(cubin)
+    name = f"tail_kernelI{_MANGLED[dtype]}{'a' if tail_bits == 8 else 'S'}"
+    found = [p for p in re.split(r"(?=//-+ \.text\.)", listing) if name in p.split("\n", 1)[0]]
+    reg = re.search(rf"Function [^\n]*{name}[^\n]*:\s*\n\s*REG:(\d+)", usage)
+    if not found or reg is None:
+        raise RuntimeError(f"no tail_kernel<{DTYPES[dtype]}, {tail_bits}-bit> in the compiled code")
+    fn = _resolve_labels(found[0])
+    lines = [(int(m.group(1), 16), m.group(3).split(".")[0]) for m in SASS_LINE.finditer(fn)]
+    loop = loop_body(fn)
+    if loop is None:
+        raise RuntimeError("no token loop (a branch back) in tail_kernel")
+    ops = Counter(op for _, op in lines)
+    loop_ops = Counter(op for at, op in lines if loop[0] <= at <= loop[1])
+    return {"registers": int(reg.group(1)), "spill_ops": ops["STL"] + ops["LDL"],
+            "loop_spill_ops": loop_ops["STL"] + loop_ops["LDL"], **family_mix(ops), **family_mix(loop_ops, "loop_")}
+
+
+def tail_report(boosted=(32,), source: Path | None = None, dtype: str = "bf16", arch: str = "sm_90a") -> pd.DataFrame:
+    """Per boosted-channel count (a build) and tail width (16, 8): `inspect_tail` of the tail kernel."""
+    source = Path(source or SOURCE)
+    rows = []
+    for nb in boosted:
+        cubin = build_cubin(source, nb, 1, arch)
+        for bits in (16, 8):
+            rows.append({"kernel": "tail_kernel (CUDA)", "boosted": nb, "tail_bits": bits, "dtype": dtype,
+                         **inspect_tail(cubin, dtype, bits)})
+    return pd.DataFrame(rows)
 
 
 def page_loop(fn: str, source: Path) -> list[tuple[str, str]]:

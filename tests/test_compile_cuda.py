@@ -1,6 +1,6 @@
 """The CUDA page kernel read as machine code (`kitty_core.compile_cuda`): instructions counted where
 they were written, through inlined helpers, and the page loop's tensor-core instructions matching
-the kernel's structure, each in its part. The compiled checks need nvcc and are skipped without it."""
+the kernel's structure, each in its part; and the tail kernel's token loop. The compiled checks need nvcc and are skipped without it."""
 
 import shutil
 import subprocess
@@ -107,6 +107,19 @@ def test_each_mma_of_the_page_loop_is_counted_in_its_part(n_boost, arch):
     assert set(copies) == {"page copies, at one stage"}
     assert copies["page copies, at one stage"] == 2 * 8 + 2 + n_boost // 16 + (n_boost > 0)  # planes, scales
     assert all(part != "elsewhere" for _, part in body)
+
+
+@needs_nvcc
+def test_the_tail_kernels_token_loop_holds_a_32_token_blocks_mmas():
+    """The tail kernel's longest loop is a 32-token block of a program whose keys are in a buffer: two
+    score tiles of 8 k-steps each and two weight tiles over 8 channel tiles, 32 m16n8k16 in all, at
+    either tail width; an 8-bit tail's codes add their conversions to the loop (byte permutes and fp16
+    subtractions)."""
+    report = compile_cuda.tail_report((32,))
+    assert list(report["tail_bits"]) == [16, 8]
+    assert (report["loop_tensor core"] == 32).all()
+    wide, narrow = report.iloc[0], report.iloc[1]
+    assert narrow["loop_integer/bit"] > wide["loop_integer/bit"] and narrow["loop_float"] > wide["loop_float"]
 
 
 @pytest.mark.parametrize("args, said", [
