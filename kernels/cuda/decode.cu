@@ -1,4 +1,5 @@
-// Decode attention over packed Kitty pages, in CUDA C++: the page part of the fused split-KV step.
+// Decode attention over a Kitty cache in CUDA C++: the page part of the fused split-KV step
+// (`pages_kernel`) and, after it in this file, its tail part (`tail_kernel`: the sink and the window).
 //
 // One warp is one program: a run of up to PPP page slots of one (sequence, KV head), whose keys and
 // values are both packed (a sequence's slots split evenly over the grid's chunks), into one partial
