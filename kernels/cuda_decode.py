@@ -399,13 +399,11 @@ def step_workspace(layer, q_heads: int, workspace: dict) -> list[torch.Tensor]:
 
 class DecodeStep:
     """`kernels.decode.DecodeStep` (steps from device counters, launches planned once) with the page
-    launch done by the CUDA kernel and the tail (which writes the step's token) by the Triton tail
-    kernel, replayed through `plan.Launch` (the default), or by the CUDA tail kernel (`tail="cuda"`);
-    the Triton combine, replayed. The default stays Triton's: under `torch.compile`'s CUDA graphs
-    (`model.generate` compiled) a step with the CUDA tail has raised the graph pool's error about
-    untracked tensors (`docs/engine.md`), which the engine's generation must not meet."""
+    launch done by the CUDA kernel and the tail (which writes the step's token) by the CUDA tail
+    kernel (the default) or by the Triton one (`tail="triton"`), replayed through `plan.Launch`; the
+    Triton combine, replayed."""
 
-    def __init__(self, layer, workspace: dict, tail: str = "triton"):
+    def __init__(self, layer, workspace: dict, tail: str = "cuda"):
         if tail not in TAILS:
             raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
         self.layer, self.workspace, self.tail_kind = layer, workspace, tail
@@ -426,7 +424,10 @@ class DecodeStep:
                                                           pages_per_program=ppp,
                                                           new=(key_new, value_new, self.layer.steps.write))
             n = len(pages[2])  # the tail's arguments are the pages' and the token's
-            self.launches = (Launch(*tail, slots=(0, n, n + 3)), Launch(*combine, slots=(3,)))
+            # a Launch holds the first call's query and token until its first run: made only where it
+            # runs, or those tensors would outlive the step (a CUDA graph's pool must see them die)
+            triton_tail = Launch(*tail, slots=(0, n, n + 3)) if self.tail_kind == "triton" else None
+            self.launches = (triton_tail, Launch(*combine, slots=(3,)))
             m, l, acc = pages[2][-9], pages[2][-8], pages[2][-7]
             chunks = pages[1][1]
             rep = query.shape[1] // self.layer.heads

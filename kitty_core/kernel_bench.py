@@ -81,8 +81,10 @@ def synthetic_layer(method: str, batch: int, length: int, kv_heads: int, head_di
     empty = torch.zeros(batch, kv_heads, 0, head_dim, device="cuda", dtype=dtype)
     layer.lazy_initialization(empty, empty)
     spread = torch.linspace(0.2, 4.0, head_dim, device="cuda", dtype=dtype)
-    for s in range(0, length - 1, 8192):  # prefill in chunks to bound the temporary FP16 tensors
-        n = min(8192, length - 1 - s)
+    # prefill in chunks of up to 2^22 token rows (whole pages) to bound the temporary tensors
+    chunk = max(128, min(8192, (1 << 22) // (batch * kv_heads) // 128 * 128))
+    for s in range(0, length - 1, chunk):
+        n = min(chunk, length - 1 - s)
         k = torch.randn(batch, kv_heads, n, head_dim, device="cuda", dtype=dtype) * spread
         layer.insert(k, torch.randn_like(k))
     k = torch.randn(batch, kv_heads, 1, head_dim, device="cuda", dtype=dtype) * spread

@@ -403,7 +403,10 @@ def test_engine_with_cuda_pages_agrees_with_reference(method, device_steps, deep
     of keys and of values) through `triton+pages=cuda`, on the host's record and from device
     counters, against the reference engine; the CUDA kernel, not the fallback, read the pages, at
     the depth the launch plan picks for this small grid (two stages) and with one stage forced; a tail
-    of 16 or 8 bits (read by the CUDA tail kernel in the host's steps, by Triton's from device counters)."""
+    of 16 or 8 bits, read by the CUDA tail kernel, which from device counters also writes each step's
+    token. Layer 0's keys and values see the same inputs in both caches, so its key q-buffer and value
+    window hold the same bits in both wherever the tokens went (logits at this tolerance would not
+    see one token written at the wrong place)."""
     monkeypatch.setattr(cuda_decode, "DEEP_WAVES", deep_waves)
 
     from kitty_core import KittyCache
@@ -423,6 +426,11 @@ def test_engine_with_cuda_pages_agrees_with_reference(method, device_steps, deep
     if device_steps:
         assert engine.steps and all(type(s).__module__ == "kernels.cuda_decode" for s in engine.steps.values())
     torch.testing.assert_close(logits["triton+pages=cuda"], logits["reference"], atol=0.6, rtol=0.05)
+    for region in ("k_buffer", "v_window"):
+        for x, y in zip(getattr(caches["triton+pages=cuda"].layers[0], region).tensors(),
+                        getattr(caches["reference"].layers[0], region).tensors()):
+            n = min(x.shape[2], y.shape[2])  # (the regions' capacities may differ; unused slots hold zeros)
+            assert torch.equal(x[:, :, :n], y[:, :, :n]), region
 
 
 @pytest.mark.parametrize("pages, level", [("cuda", "WARNING"), ("auto", "INFO")])
