@@ -12,7 +12,7 @@ ENGINES = {"reference": ReferenceEngine}
 
 def make_engine(name: str):
     """An engine by name: "reference", or "triton" with options as "+name=value", e.g.
-    "triton+key_dots=int8"."""
+    "triton+key_dots=int8", "triton+pages=triton" or "triton+tail=triton" (`TritonEngine`)."""
     base, *opts = name.split("+")
     if base == "triton":
         from .triton_engine import TritonEngine  # optional: needs a GPU build of Triton
@@ -20,9 +20,9 @@ def make_engine(name: str):
         kwargs = {}
         for opt in opts:
             key, eq, value = opt.partition("=")
-            if key not in ("key_dots", "pages") or not eq:
-                raise ValueError(f"the triton engine takes the options key_dots=... and pages=..., got {opt!r} "
-                                 f"in {name!r}")
+            if key not in ("key_dots", "pages", "tail") or not eq:
+                raise ValueError(f"the triton engine takes the options key_dots=..., pages=... and tail=..., got "
+                                 f"{opt!r} in {name!r}")
             kwargs[key] = value
         return TritonEngine(**kwargs)
     if base not in ENGINES or opts:

@@ -47,21 +47,30 @@ class TritonEngine(ReferenceEngine):
     name = "triton"
     device_steps = True  # decode steps can run from device counters (kitty_core.graphs)
 
-    def __init__(self, key_dots: str | None = None, pages: str = "auto"):
+    def __init__(self, key_dots: str | None = None, pages: str = "auto", tail: str | None = None):
         """`key_dots`: the Triton page kernel's key dots, "fp16" or "int8"; None: by head size
         (`kernels.decode.key_dots_of`). `pages`: which kernel reads the packed pages of decode steps.
         "auto": the CUDA one (`kernels.cuda_decode`, built with nvcc at first use) where it applies,
         else Triton, with one log line at INFO that says why; "cuda": the same, the line a warning;
-        "triton": always Triton. Key dots are the Triton kernel's option: given, "auto" means Triton."""
+        "triton": always Triton. Key dots are the Triton kernel's option: given, "auto" means Triton.
+        `tail`: which kernel reads the tail (sink, q-buffer, value window) beside the CUDA page kernel,
+        "cuda" (None: the default) or "triton"; where Triton reads the pages, its fused step reads the
+        tail too."""
         if pages not in PAGE_KERNELS:
             raise ValueError(f"pages must be one of {', '.join(PAGE_KERNELS)}, got {pages!r}")
+        if tail is not None and tail not in cuda_decode.TAILS:
+            raise ValueError(f"tail must be one of {', '.join(cuda_decode.TAILS)}, got {tail!r}")
         if key_dots is not None:
             key_dots_of(key_dots, 0)  # a clear error now, not at the first decode step
             if pages == "cuda":
                 raise ValueError(f"key_dots={key_dots} sets the Triton page kernel's dots, and pages=cuda reads the "
                                  "pages with the CUDA kernel (int8 dots): give one or the other")
             pages = "triton"
-        self.key_dots, self.pages = key_dots, pages
+        if tail is not None and pages == "triton":
+            raise ValueError(f"tail={tail} picks the tail kernel beside the CUDA page kernel, and Triton reads the "
+                             "pages here (pages=triton, or key_dots given), its fused step the tail with them: "
+                             "give one or the other")
+        self.key_dots, self.pages, self.tail = key_dots, pages, tail or "cuda"
         self._cuda_ok: dict[tuple | str, bool] = {}  # per layer shape: does the CUDA page kernel take it
         self.workspaces: dict[tuple, dict] = {}  # the partials' buffers, by layer shape (`_workspace`)
         self.steps: dict[int, DecodeStep] = {}  # per layer: the launches of steps from device counters
@@ -122,7 +131,7 @@ class TritonEngine(ReferenceEngine):
             return out
         layer.insert(key_new, value_new, pack=False)
         if self._cuda_pages(layer, query.shape[1], query.dtype, query.device):
-            out = cuda_decode.decode_attention(layer, query, scaling, self._workspace(layer))
+            out = cuda_decode.decode_attention(layer, query, scaling, self._workspace(layer), tail=self.tail)
         else:
             out = decode_attention(layer, query, scaling, self._workspace(layer), key_dots=self.key_dots,
                                    softcap=layer.softcap)
@@ -151,7 +160,7 @@ class TritonEngine(ReferenceEngine):
         fresh launch plan (the state it was built on may have moved)."""
         ws = self._workspace(layer)
         if self._cuda_pages(layer, q_heads, layer.dtype, layer.device):
-            self.steps[layer.layer_idx] = cuda_decode.DecodeStep(layer, ws)
+            self.steps[layer.layer_idx] = cuda_decode.DecodeStep(layer, ws, tail=self.tail)
             return cuda_decode.step_workspace(layer, q_heads, ws)
         self.steps[layer.layer_idx] = DecodeStep(layer, ws, self.key_dots, layer.softcap)
         return step_workspace(layer, q_heads, ws)

@@ -403,10 +403,10 @@ def test_engine_with_cuda_pages_agrees_with_reference(method, device_steps, deep
     of keys and of values) through `triton+pages=cuda`, on the host's record and from device
     counters, against the reference engine; the CUDA kernel, not the fallback, read the pages, at
     the depth the launch plan picks for this small grid (two stages) and with one stage forced; a tail
-    of 16 or 8 bits, read by the CUDA tail kernel, which from device counters also writes each step's
-    token. Layer 0's keys and values see the same inputs in both caches, so its key q-buffer and value
-    window hold the same bits in both wherever the tokens went (logits at this tolerance would not
-    see one token written at the wrong place)."""
+    of 16 or 8 bits, read by the CUDA tail kernel (the default) or by Triton's (`+tail=triton`),
+    which from device counters also writes each step's token. Layer 0's keys and values see the same
+    inputs in every cache, so its key q-buffer and value window hold the same bits in each wherever
+    the tokens went (logits at this tolerance would not see one token written at the wrong place)."""
     monkeypatch.setattr(cuda_decode, "DEEP_WAVES", deep_waves)
 
     from kitty_core import KittyCache
@@ -414,23 +414,41 @@ def test_engine_with_cuda_pages_agrees_with_reference(method, device_steps, deep
     model = _qwen3_head_128()
     ids = torch.randint(3, 512, (2, 703), device="cuda")
     logits, caches = {}, {}
-    for engine in ("reference", "triton+pages=cuda"):
+    for engine in ("reference", "triton+pages=cuda", "triton+pages=cuda+tail=triton"):
         cache = caches[engine] = KittyCache(model, method, engine=engine, device_steps=device_steps)
         with torch.inference_mode():
             model(input_ids=ids[:, :700], past_key_values=cache)
             steps = [model(input_ids=ids[:, i : i + 1], past_key_values=cache).logits[:, -1].float()
                      for i in range(700, 703)]
         logits[engine] = torch.stack(steps)
-    engine = caches["triton+pages=cuda"].engine
-    assert engine._cuda_ok and all(engine._cuda_ok.values())
-    if device_steps:
-        assert engine.steps and all(type(s).__module__ == "kernels.cuda_decode" for s in engine.steps.values())
-    torch.testing.assert_close(logits["triton+pages=cuda"], logits["reference"], atol=0.6, rtol=0.05)
-    for region in ("k_buffer", "v_window"):
-        for x, y in zip(getattr(caches["triton+pages=cuda"].layers[0], region).tensors(),
-                        getattr(caches["reference"].layers[0], region).tensors()):
-            n = min(x.shape[2], y.shape[2])  # (the regions' capacities may differ; unused slots hold zeros)
-            assert torch.equal(x[:, :, :n], y[:, :, :n]), region
+    for name, tail in (("triton+pages=cuda", "cuda"), ("triton+pages=cuda+tail=triton", "triton")):
+        engine = caches[name].engine
+        assert engine.tail == tail and engine._cuda_ok and all(engine._cuda_ok.values())
+        if device_steps:
+            assert engine.steps and all(type(s).__module__ == "kernels.cuda_decode" and s.tail_kind == tail
+                                        for s in engine.steps.values())
+        torch.testing.assert_close(logits[name], logits["reference"], atol=0.6, rtol=0.05)
+        for region in ("k_buffer", "v_window"):
+            for x, y in zip(getattr(caches[name].layers[0], region).tensors(),
+                            getattr(caches["reference"].layers[0], region).tensors()):
+                n = min(x.shape[2], y.shape[2])  # (the regions' capacities may differ; unused slots hold zeros)
+                assert torch.equal(x[:, :, :n], y[:, :, :n]), (name, region)
+
+
+def test_engine_names_pick_the_tail_kernel():
+    """`triton+tail=triton`: the Triton tail kernel beside the CUDA page kernel; the CUDA tail by
+    default. A tail kernel named where Triton reads the pages, or an unknown one, is a ValueError
+    that says what to do, before any model runs."""
+    from kitty_core.engines import make_engine
+
+    assert make_engine("triton").tail == "cuda" and make_engine("triton+pages=triton").tail == "cuda"
+    assert make_engine("triton+tail=triton").tail == "triton"
+    assert make_engine("triton+pages=cuda+tail=cuda").tail == "cuda"
+    with pytest.raises(ValueError, match="cuda, triton"):
+        make_engine("triton+tail=tilelang")
+    for name in ("triton+pages=triton+tail=triton", "triton+key_dots=int8+tail=cuda"):
+        with pytest.raises(ValueError, match="one or the other"):
+            make_engine(name)
 
 
 @pytest.mark.parametrize("pages, level", [("cuda", "WARNING"), ("auto", "INFO")])
