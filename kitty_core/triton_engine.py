@@ -54,8 +54,8 @@ class TritonEngine(ReferenceEngine):
         else Triton, with one log line at INFO that says why; "cuda": the same, the line a warning;
         "triton": always Triton. Key dots are the Triton kernel's option: given, "auto" means Triton.
         `tail`: which kernel reads the tail (sink, q-buffer, value window) beside the CUDA page kernel,
-        "cuda" (None: the default) or "triton"; where Triton reads the pages, its fused step reads the
-        tail too."""
+        "cuda" (None: the default) or "triton". Where Triton reads the pages, its fused step reads the
+        tail too: the tail is "triton" under pages="triton", and "cuda" there is a ValueError."""
         if pages not in PAGE_KERNELS:
             raise ValueError(f"pages must be one of {', '.join(PAGE_KERNELS)}, got {pages!r}")
         if tail is not None and tail not in cuda_decode.TAILS:
@@ -66,11 +66,12 @@ class TritonEngine(ReferenceEngine):
                 raise ValueError(f"key_dots={key_dots} sets the Triton page kernel's dots, and pages=cuda reads the "
                                  "pages with the CUDA kernel (int8 dots): give one or the other")
             pages = "triton"
-        if tail is not None and pages == "triton":
-            raise ValueError(f"tail={tail} picks the tail kernel beside the CUDA page kernel, and Triton reads the "
+        if tail == "cuda" and pages == "triton":
+            raise ValueError("tail=cuda puts the CUDA tail kernel beside the CUDA page kernel, and Triton reads the "
                              "pages here (pages=triton, or key_dots given), its fused step the tail with them: "
                              "give one or the other")
-        self.key_dots, self.pages, self.tail = key_dots, pages, tail or "cuda"
+        self.key_dots, self.pages = key_dots, pages
+        self.tail = tail or ("triton" if pages == "triton" else "cuda")
         self._cuda_ok: dict[tuple | str, bool] = {}  # per layer shape: does the CUDA page kernel take it
         self.workspaces: dict[tuple, dict] = {}  # the partials' buffers, by layer shape (`_workspace`)
         self.steps: dict[int, DecodeStep] = {}  # per layer: the launches of steps from device counters

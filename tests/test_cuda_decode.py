@@ -437,16 +437,17 @@ def test_engine_with_cuda_pages_agrees_with_reference(method, device_steps, deep
 
 def test_engine_names_pick_the_tail_kernel():
     """`triton+tail=triton`: the Triton tail kernel beside the CUDA page kernel; the CUDA tail by
-    default. A tail kernel named where Triton reads the pages, or an unknown one, is a ValueError
-    that says what to do, before any model runs."""
+    default. Where Triton reads the pages its fused step reads the tail: the CUDA tail asked for
+    there, or an unknown tail kernel, is a ValueError that says what to do, before any model runs."""
     from kitty_core.engines import make_engine
 
-    assert make_engine("triton").tail == "cuda" and make_engine("triton+pages=triton").tail == "cuda"
+    assert make_engine("triton").tail == "cuda" and make_engine("triton+pages=cuda+tail=cuda").tail == "cuda"
     assert make_engine("triton+tail=triton").tail == "triton"
-    assert make_engine("triton+pages=cuda+tail=cuda").tail == "cuda"
+    for name in ("triton+pages=triton", "triton+pages=triton+tail=triton", "triton+key_dots=fp16"):
+        assert make_engine(name).tail == "triton"
     with pytest.raises(ValueError, match="cuda, triton"):
         make_engine("triton+tail=tilelang")
-    for name in ("triton+pages=triton+tail=triton", "triton+key_dots=int8+tail=cuda"):
+    for name in ("triton+pages=triton+tail=cuda", "triton+key_dots=int8+tail=cuda"):
         with pytest.raises(ValueError, match="one or the other"):
             make_engine(name)
 
