@@ -424,8 +424,6 @@ class DecodeStep:
                                                           pages_per_program=ppp,
                                                           new=(key_new, value_new, self.layer.steps.write))
             n = len(pages[2])  # the tail's arguments are the pages' and the token's
-            # a Launch holds the first call's query and token until its first run: made only where it
-            # runs, or those tensors would outlive the step (a CUDA graph's pool must see them die)
             triton_tail = Launch(*tail, slots=(0, n, n + 3)) if self.tail_kind == "triton" else None
             self.launches = (triton_tail, Launch(*combine, slots=(3,)))
             m, l, acc = pages[2][-9], pages[2][-8], pages[2][-7]

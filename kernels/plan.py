@@ -27,12 +27,15 @@ def _spec(t: torch.Tensor) -> tuple:
 
 class Launch:
     """One kernel launch, `kernel[grid](*args, **options)`, whose positional arguments `slots`
-    (indices into args) are replaced at each `run`."""
+    (indices into args) are replaced at each `run`. The tensors in the slots here say what the kernel
+    is specialized for; no reference to them is kept (see `run`)."""
 
     def __init__(self, kernel, grid: tuple, args: tuple, options: dict, slots: tuple[int, ...]):
         self.kernel, self.args, self.options, self.slots = kernel, list(args), options, slots
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.spec = [_spec(self.args[i]) for i in slots]
+        for i in slots:
+            self.args[i] = None
         self.compiled, self.values = None, None
 
     def run(self, *tensors: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:

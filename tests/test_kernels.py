@@ -724,6 +724,37 @@ def test_chunked_prefill_on_the_pages_agrees_with_reference_on_the_demo_model():
         torch.testing.assert_close(g.float(), w.float(), atol=0.75, rtol=0.05)
 
 
+@triton.jit
+def _add_one(X, Y, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Y + i, tl.load(X + i) + 1)
+
+
+def test_a_launch_keeps_no_tensor_of_its_slots():
+    """`plan.Launch`: the tensors in its slots at construction and at each run die with their owner
+    (a tensor a CUDA graph allocated while recording must not outlive its step), and each run
+    launches with the tensors it is given."""
+    import gc
+    import weakref
+
+    from kernels.plan import Launch
+
+    x, y = torch.zeros(16, device=DEVICE), torch.zeros(16, device=DEVICE)
+    launch = Launch(_add_one, (1,), (x, y), dict(N=16), slots=(0,))
+    first = weakref.ref(x)
+    del x
+    gc.collect()
+    assert first() is None
+    for value in (1.0, 5.0):
+        x = torch.full((16,), value, device=DEVICE)
+        launch.run(x)
+        assert torch.equal(y, torch.full((16,), value + 1, device=DEVICE))
+        ran = weakref.ref(x)
+        del x
+        gc.collect()
+        assert ran() is None
+
+
 def test_engine_names_carry_the_key_dots():
     """`KittyCache(..., engine=...)`: "triton+key_dots=int8" reaches the kernels; a wrong option or
     value is a ValueError that names the choices, before any model runs."""
