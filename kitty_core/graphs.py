@@ -155,6 +155,9 @@ class GraphedDecoder(_Greedy):
         self._inputs(model, cache, batch, first_ids)
         self.graph, self.shape, self.logits = None, None, None
         self.captures = 0
+        # one side stream for every warm-up, not one per shape: the caching allocator reuses a block
+        # freed on a stream only on that stream, until it empties its cache
+        self.side = torch.cuda.Stream() if self.use_graph else None
         self.sync()
 
     def _body(self) -> torch.Tensor:
@@ -178,11 +181,10 @@ class GraphedDecoder(_Greedy):
             self.cache.after_device_step()
             return logits
         self.graph = None  # a new shape: this step runs eagerly, as the capture's warm-up
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
             logits = self._body()
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(self.side)
         self.cache.after_device_step()
         if self.cache.device_room() > 0 and self.cache.step_shape() == shape:  # the next step is warmed up
             graph = torch.cuda.CUDAGraph()
