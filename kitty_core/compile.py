@@ -206,7 +206,8 @@ def cuda_main(a, p) -> int:
         except RuntimeError as e:
             p.exit(2, f"kitty_core.compile: {e}\n")
         cols = ["boosted", "tail_bits", "registers", "spill_ops", "instructions", "loop_instructions",
-                "loop_tensor core", "loop_integer/bit", "loop_float", "loop_conversion", "loop_shared", "loop_other"]
+                "loop_tensor core", "loop_integer/bit", "loop_float", "loop_conversion", "loop_shared", "loop_other",
+                "loop_global load", "loop_loads_after_mma"]
         print(df[cols].to_string(index=False))
         return 0
     try:

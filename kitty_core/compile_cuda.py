@@ -31,7 +31,7 @@ from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
 from kernels.cuda_decode import NVCC_FLAGS, SOURCE
 
-from .sass import SASS_LINE, family_mix, loop_body, tools
+from .sass import FAMILIES, SASS_LINE, family_mix, loop_body, tools
 DTYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}
 _PART = re.compile(r"^\s*// ---- ([^:(]+?)\s*(?::|\(|----)")
 _LOCATION = re.compile(r'//## File "([^"]+)", line (\d+)(?: inlined at "([^"]+)", line (\d+))?')
@@ -164,9 +164,19 @@ def inspect_tail(cubin: bytes, dtype: str = "bf16", tail_bits: int = 8) -> dict:
     if loop is None:
         raise RuntimeError("no token loop (a branch back) in tail_kernel")
     ops = Counter(op for _, op in lines)
-    loop_ops = Counter(op for at, op in lines if loop[0] <= at <= loop[1])
+    body = [op for at, op in lines if loop[0] <= at <= loop[1]]
+    loop_ops = Counter(body)
     return {"registers": int(reg.group(1)), "spill_ops": ops["STL"] + ops["LDL"],
-            "loop_spill_ops": loop_ops["STL"] + loop_ops["LDL"], **family_mix(ops), **family_mix(loop_ops, "loop_")}
+            "loop_spill_ops": loop_ops["STL"] + loop_ops["LDL"], **family_mix(ops), **family_mix(loop_ops, "loop_"),
+            "loop_loads_after_mma": late_loads(body)}
+
+
+def late_loads(body: list[str]) -> int:
+    """Global loads a loop body issues after its first tensor-core instruction. That instruction waits
+    for the loads it reads, so a load issued after it goes out on a later trip to memory: zero means
+    every load of the block is in flight at once."""
+    first = next((i for i, op in enumerate(body) if op in FAMILIES["tensor core"]), len(body))
+    return sum(op == "LDG" for op in body[first:])
 
 
 def tail_report(boosted=(32,), source: Path | None = None, dtype: str = "bf16", arch: str = "sm_90a") -> pd.DataFrame:

@@ -120,6 +120,16 @@ def test_the_tail_kernels_token_loop_holds_a_32_token_blocks_mmas():
     assert (report["loop_tensor core"] == 32).all()
     wide, narrow = report.iloc[0], report.iloc[1]
     assert narrow["loop_integer/bit"] > wide["loop_integer/bit"] and narrow["loop_float"] > wide["loop_float"]
+    # a lane's loads a block: 4 key rows (tokens of rows g, g + 8, twice) and 8 value rows, in 16-byte pieces:
+    # at 16 bits 4 a key row, 2 a value row (32); at 8 bits 2 and 1, and the 8 rows' scales (24)
+    assert list(report["loop_global load"]) == [32, 24]
+    assert ((0 <= report["loop_loads_after_mma"]) & (report["loop_loads_after_mma"] <= report["loop_global load"])).all()
+
+
+def test_late_loads_counts_the_loads_after_the_first_mma():
+    assert compile_cuda.late_loads(["LDG", "LDG", "IMAD", "HMMA", "LDG", "HMMA", "LDG", "SHFL"]) == 2
+    assert compile_cuda.late_loads(["LDG", "LDG", "HMMA", "HMMA"]) == 0
+    assert compile_cuda.late_loads(["LDG", "FADD"]) == 0  # no MMA: nothing waits
 
 
 @pytest.mark.parametrize("args, said", [
