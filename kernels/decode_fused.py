@@ -493,11 +493,15 @@ def _decode_pages_kernel(
 
 @triton.jit
 def _combine_kernel(M, L, ACC, O, sMb, sMh, sAb, sAh, sAc, sOb, sOh, C, LSE,
-                    HQ: tl.constexpr, C_P: tl.constexpr, D: tl.constexpr, WITH_LSE: tl.constexpr):
+                    HQ: tl.constexpr, C_P: tl.constexpr, D: tl.constexpr, WITH_LSE: tl.constexpr,
+                    GDC: tl.constexpr = False):
     """Merge the C partial softmaxes of each (sequence, query head): the chunks' outputs weighted by
     their sums, rescaled to a common max. C is a runtime value (only its power-of-two bound C_P is
     compiled in): it grows by one every few pages of a generation. WITH_LSE: the log of the whole
-    softmax denominator as well, LSE [B * HQ] (to merge this attention with attention elsewhere)."""
+    softmax denominator as well, LSE [B * HQ] (to merge this attention with attention elsewhere).
+    GDC: launched as a programmatic dependent (`launch_pdl`), it waits here for the partials' writers."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     b = pid // HQ
     hq = pid % HQ

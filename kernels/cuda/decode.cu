@@ -424,6 +424,11 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
   extern __shared__ __align__(128) uint8_t smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
+#if __CUDA_ARCH__ >= 900
+  // the combine, a programmatic dependent, may be scheduled once every block has started; it waits
+  // for this grid's writes before it reads them (`griddepcontrol.wait`)
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
   const int item = blockIdx.x * (blockDim.x >> 5) + warp;
   if (item >= a.batch * a.hkv * a.chunks) return;
   const int chunk = item % a.chunks;
