@@ -154,14 +154,15 @@ def decode_launches(layer: PagedLayer, query: torch.Tensor, scaling: float, work
         kn, vn, write = _new_token(layer, new, b)
     fresh = (kn, kn.stride(0), kn.stride(1), vn, vn.stride(0), vn.stride(1), write, write.stride(0))
     c_p = triton.next_power_of_2(n_chunks)
+    block_d, combine_warps = combine_plan(c_p, d)
     pdl = COMBINE_PDL and cuda and _dependent_launch(q.device)
     return [
         (_decode_tail_kernel, (b * layer.heads, 1 + nt), args + fresh, dict(consts, NEW=int(new is not None))),
         (_decode_pages_kernel, (b * layer.heads, n_chunks - 1 - nt), args, pages),
-        (_combine_kernel, (b * hq,), (m, l, acc, out, m.stride(0), m.stride(1), acc.stride(0), acc.stride(1),
-                                      acc.stride(2), out.stride(0), out.stride(1), n_chunks,
-                                      m if lse is None else lse),
-         dict(HQ=hq, C_P=c_p, D=d, WITH_LSE=lse is not None, num_warps=combine_warps(c_p), GDC=pdl,
+        (_combine_kernel, (b * hq, d // block_d), (m, l, acc, out, m.stride(0), m.stride(1), acc.stride(0),
+                                                   acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
+                                                   n_chunks, m if lse is None else lse),
+         dict(HQ=hq, C_P=c_p, BLOCK_D=block_d, WITH_LSE=lse is not None, num_warps=combine_warps, GDC=pdl,
               **({"launch_pdl": True} if pdl else {}))),
     ], out
 
@@ -196,12 +197,19 @@ def partial_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
 
 
-def combine_warps(c_p: int) -> int:
-    """Warps of a combining program for C_P partials: one up to 16 (a [16, 128] fp32 tile is 64
-    values a thread), so that an SM holds many of these short, latency-bound programs; more for
-    long sequences' many partials. On an H200, one warp instead of four made the combine 3x faster
-    at batch 489 (0.017 ms vs 0.052) and four were still the fastest at 131 partials."""
-    return 1 if c_p <= 16 else 2 if c_p <= 32 else 4
+# The combine's tile: at most this many (partial, channel) values a warp, 64 a thread
+COMBINE_TILE = 2048
+
+
+def combine_plan(c_p: int, d: int) -> tuple[int, int]:
+    """(channels a program, warps a program) of the combine for C_P partials of D channels. A row's
+    D channels are split over programs of at most COMBINE_TILE values a warp, at least 16 channels
+    each: up to 16 partials (deep grids) a row is one program of one warp, as many as an SM holds of
+    these short, latency-bound programs (on an H200 one warp instead of four made the combine 3x
+    faster at batch 489: 0.017 ms vs 0.052); long sequences' many partials spread over more programs
+    instead of into one program's registers (1 x 131,072 tokens: 256 partials a row, 32 rows)."""
+    block_d = min(d, max(16, COMBINE_TILE // c_p))
+    return block_d, max(1, c_p * block_d // COMBINE_TILE)
 
 
 def _new_token(layer, new: tuple, batch: int):

@@ -493,20 +493,21 @@ def _decode_pages_kernel(
 
 @triton.jit
 def _combine_kernel(M, L, ACC, O, sMb, sMh, sAb, sAh, sAc, sOb, sOh, C, LSE,
-                    HQ: tl.constexpr, C_P: tl.constexpr, D: tl.constexpr, WITH_LSE: tl.constexpr,
-                    GDC: tl.constexpr = False):
+                    HQ: tl.constexpr, C_P: tl.constexpr, BLOCK_D: tl.constexpr,
+                    WITH_LSE: tl.constexpr, GDC: tl.constexpr = False):
     """Merge the C partial softmaxes of each (sequence, query head): the chunks' outputs weighted by
-    their sums, rescaled to a common max. C is a runtime value (only its power-of-two bound C_P is
-    compiled in): it grows by one every few pages of a generation. WITH_LSE: the log of the whole
-    softmax denominator as well, LSE [B * HQ] (to merge this attention with attention elsewhere).
-    GDC: launched as a programmatic dependent (`launch_pdl`), it waits here for the partials' writers."""
+    their sums, rescaled to a common max. Program (row, j) merges channels j*BLOCK_D .. (j+1)*BLOCK_D - 1
+    of its row. C is a runtime value (only its power-of-two bound C_P is compiled in): it grows by one
+    every few pages of a generation. WITH_LSE: the log of the whole softmax denominator as well, LSE
+    [B * HQ] (to merge this attention with attention elsewhere). GDC: launched as a programmatic
+    dependent (`launch_pdl`), it waits here for the partials' writers."""
     if GDC:
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     b = pid // HQ
     hq = pid % HQ
     c = tl.arange(0, C_P)
-    d = tl.arange(0, D)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     # the three loads are issued together; dead chunks (past a sequence's tokens) stored only their
     # max, so their sums and outputs are whatever the workspace held, and are selected away
     m = tl.load(M + b * sMb + hq * sMh + c, mask=c < C, other=float("-inf"))
@@ -517,4 +518,5 @@ def _combine_kernel(M, L, ACC, O, sMb, sMh, sAb, sAh, sAc, sOb, sOh, C, LSE,
     o = tl.sum(tl.where(ok[:, None], part.to(tl.float32), 0.0) * w[:, None], 0) / tl.sum(w, 0)
     tl.store(O + b * sOb + hq * sOh + d, o.to(O.dtype.element_ty))
     if WITH_LSE:
-        tl.store(LSE + pid, tl.max(m, 0) + tl.log(tl.sum(w, 0)))
+        if tl.program_id(1) == 0:
+            tl.store(LSE + pid, tl.max(m, 0) + tl.log(tl.sum(w, 0)))

@@ -127,14 +127,14 @@ def launch_defaults() -> dict:
     """The fused kernel's launch settings a default call uses (recorded beside its timings)."""
     import inspect
 
-    from kernels.decode import DEEP, DEEP_WAVES, INT8_KEY_DOTS_FROM, REGISTER_CAP, combine_warps, decode_attention
+    from kernels.decode import DEEP, DEEP_WAVES, INT8_KEY_DOTS_FROM, REGISTER_CAP, combine_plan, decode_attention
 
     params = inspect.signature(decode_attention).parameters
     return {"num_warps": params["num_warps"].default, "num_stages": 2, "register_cap_by_query_rows": REGISTER_CAP,
             "pages_per_program": "up to 16, by occupancy",
             "deep_grids": {"min_waves": DEEP_WAVES, "stages_and_cap_by_query_rows": DEEP, "pages_per_program": "up to 32"},
             "tail_kernel": "on a second stream, beside the page kernel",
-            "combine_warps_by_partials": {c: combine_warps(c) for c in (8, 16, 32, 64)},
+            "combine_channels_and_warps_by_partials": {c: combine_plan(c, 128) for c in (8, 16, 32, 64, 128, 256)},
             "key_dots": f"int8 from head size {INT8_KEY_DOTS_FROM}, fp16 below"}
 
 

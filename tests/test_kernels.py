@@ -209,6 +209,23 @@ def test_chunks_past_a_sequence_are_ignored_whatever_the_workspace_holds():
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
+def test_a_combine_split_over_channels_merges_as_one_program_a_row(monkeypatch):
+    """Rows of many partials spread their channels over several combining programs (`combine_plan`):
+    the same output as one program a row, and one log-sum-exp a row (the first channel block's)."""
+    import kernels.decode as decode
+
+    dim = 2 * DIM
+    layer = _layer("kitty-pro" + SMALL, LENS, dim=dim, seed=5)
+    q = torch.randn(len(LENS), 4, 1, dim, device=DEVICE)
+    whole, whole_lse = decode.decode_attention(layer, q, 0.25, pages_per_program=1, return_lse=True)
+    monkeypatch.setattr(decode, "COMBINE_TILE", 16)
+    assert decode.combine_plan(16, dim) == (16, 16)  # two programs a row of 32 channels, 16 warps each
+    split, split_lse = decode.decode_attention(layer, q, 0.25, pages_per_program=1, return_lse=True)
+    torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(split_lse, whole_lse, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(split, decode.decode_attention_reference(layer, q, 0.25), atol=5e-3, rtol=1e-2)
+
+
 def test_a_grid_sized_for_the_capacity_spreads_each_sequence_over_all_its_chunks():
     """On a grid of more page chunks than the pages need (a CUDA graph's, sized for the cache's
     capacity), a sequence's packed slots are split evenly over the chunks: each chunk holds at most
