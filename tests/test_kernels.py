@@ -218,8 +218,9 @@ def test_a_combine_split_over_channels_merges_as_one_program_a_row(monkeypatch):
     layer = _layer("kitty-pro" + SMALL, LENS, dim=dim, seed=5)
     q = torch.randn(len(LENS), 4, 1, dim, device=DEVICE)
     whole, whole_lse = decode.decode_attention(layer, q, 0.25, pages_per_program=1, return_lse=True)
-    monkeypatch.setattr(decode, "COMBINE_TILE", 16)
-    assert decode.combine_plan(16, dim) == (16, 16)  # two programs a row of 32 channels, 16 warps each
+    monkeypatch.setattr(decode, "COMBINE_TILE", 64)  # a handful of partials a row is then too many for one
+    (*_, combine), _ = decode.decode_launches(layer, q, 0.25, pages_per_program=1)
+    assert combine[1] == (len(LENS) * 4, dim // 16) and combine[3]["num_warps"] == 2  # 16 channels a program
     split, split_lse = decode.decode_attention(layer, q, 0.25, pages_per_program=1, return_lse=True)
     torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(split_lse, whole_lse, atol=1e-6, rtol=1e-6)
