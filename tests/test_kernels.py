@@ -211,17 +211,20 @@ def test_chunks_past_a_sequence_are_ignored_whatever_the_workspace_holds():
 
 def test_a_combine_split_over_channels_merges_as_one_program_a_row(monkeypatch):
     """Rows of many partials spread their channels over several combining programs (`combine_plan`):
-    the same output as one program a row, and one log-sum-exp a row (the first channel block's)."""
+    the same output as one program a row, and one log-sum-exp a row (the first channel block's). Key
+    dots in fp16 (int8 is the default from head size 128, this test's on a GPU), so that the
+    reference's tolerance is the fp16 dots'."""
     import kernels.decode as decode
 
     dim = 2 * DIM
     layer = _layer("kitty-pro" + SMALL, LENS, dim=dim, seed=5)
     q = torch.randn(len(LENS), 4, 1, dim, device=DEVICE)
-    whole, whole_lse = decode.decode_attention(layer, q, 0.25, pages_per_program=1, return_lse=True)
+    run = dict(pages_per_program=1, key_dots="fp16")
+    whole, whole_lse = decode.decode_attention(layer, q, 0.25, return_lse=True, **run)
     monkeypatch.setattr(decode, "COMBINE_TILE", 64)  # a handful of partials a row is then too many for one
-    (*_, combine), _ = decode.decode_launches(layer, q, 0.25, pages_per_program=1)
+    (*_, combine), _ = decode.decode_launches(layer, q, 0.25, **run)
     assert combine[1] == (len(LENS) * 4, dim // 16) and combine[3]["num_warps"] == 2  # 16 channels a program
-    split, split_lse = decode.decode_attention(layer, q, 0.25, pages_per_program=1, return_lse=True)
+    split, split_lse = decode.decode_attention(layer, q, 0.25, return_lse=True, **run)
     torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(split_lse, whole_lse, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(split, decode.decode_attention_reference(layer, q, 0.25), atol=5e-3, rtol=1e-2)
