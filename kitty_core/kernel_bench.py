@@ -50,14 +50,24 @@ def graphed(fn, repeat: int = 1):
     small call runs). A replay's time still holds the GPU's wait for the graph's launch: on one H200
     an elementwise op timed 10 us as a replay of its own and 1 us a call at 20 calls a graph. A
     layer's attention inside a model's decode graph does not wait for it. A replay's time divided
-    by `repeat` is a call's time with that wait spread over `repeat` calls."""
+    by `repeat` is a call's time with that wait spread over `repeat` calls.
+
+    The replay holds fn, and so every tensor its closure holds (inputs, workspaces): the graph keeps
+    only raw pointers to them, and memory freed under it goes back to the driver at the next capture
+    (`torch.cuda.graph` empties the allocator's cache), after which a replay writes to an unmapped
+    address."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(repeat):
             fn()
-    return graph.replay
+
+    def replay() -> None:
+        graph.replay()
+
+    replay.fn = fn
+    return replay
 
 
 def step_ms(fn, steps_a_graph: int = STEPS_A_GRAPH, **timing) -> float:
