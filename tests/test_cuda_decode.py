@@ -253,6 +253,29 @@ def test_the_kernel_benchmark_runs_a_variant_beside_the_shipped_kernel(tmp_path)
     assert once["source"].tolist() == ["kernels/cuda/decode.cu", str(variant)]
 
 
+@pytest.mark.gpu
+def test_a_benchmark_graph_keeps_the_tensors_its_function_holds():
+    """A graph outlives the names that held its function's tensors (`bench_cuda` with two sources goes
+    on to the second before it times the first's graphs): its replay keeps them alive, or the next
+    capture gives their memory back to the driver under the graph (an illegal address at a replay)."""
+    import gc
+    import weakref
+
+    from kitty_core.kernel_bench import graphed
+
+    def doubling():
+        x = torch.ones(1 << 20, device="cuda")
+        return (lambda: x.mul_(2.0)), weakref.ref(x)
+
+    fn, alive = doubling()
+    replay = graphed(fn)
+    del fn
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert alive() is not None
+    replay()
+    assert alive()[0].item() == 4.0  # doubled by the call before the capture, then by the replay
+
 def test_the_kernel_benchmark_takes_its_timing_from_the_command_line(monkeypatch):
     """`bench kernels --rounds N --steps-a-graph S` reach the timing (5 rounds of graphs of 10 steps
     without them), in the CUDA comparison and in every other table; no GPU needed: the tables
