@@ -276,6 +276,7 @@ def test_a_benchmark_graph_keeps_the_tensors_its_function_holds():
     replay()
     assert alive()[0].item() == 4.0  # doubled by the call before the capture, then by the replay
 
+
 def test_the_kernel_benchmark_takes_its_timing_from_the_command_line(monkeypatch):
     """`bench kernels --rounds N --steps-a-graph S` reach the timing (5 rounds of graphs of 10 steps
     without them), in the CUDA comparison and in every other table; no GPU needed: the tables
