@@ -45,6 +45,13 @@
 // longer lose about 8 bits to it.
 // Per-channel key scales fold into the queries, per-token value scales into the weights; the
 // softmax runs in base 2 (the scores' scale carries log2 e and the softmax scale; the outputs' 2^24 / 4^P).
+// The int8 dots' int32 to fp32 conversion is in the accumulator's start: an MMA that starts from the
+// bits of 1.5 x 2^23 ends on the bits of 1.5 x 2^23 + dot (exact: |dot| < 2^22), so that a score is
+// one FFMA a plane (the constant's part, x the plane's scale, leaves with the zero term).
+// The scores come relative to the running max (it goes into the zero term), so that a weight is one
+// ex2; the max is reduced across the warp, and the sums so far rescaled, only on a page where a
+// score passed it. The weights' sums and their dots with the value zeros take one more MMA a token
+// tile, whose A rows are fp16 ones and the page's zeros, on the fp16 weights the values' MMAs take.
 //
 // Pipelining: each warp streams its pages through STAGES shared-memory buffers with cp.async
 // (page p + STAGES - 1 is in flight while page p is computed); a page's planes, scales and boost
@@ -72,6 +79,11 @@ namespace {
 constexpr int D = 128;
 constexpr int GROUP = 128;  // tokens a page
 constexpr int RMAX = 8;  // query heads per KV head the n = 8 tile takes
+// a warp's A operand rows of the weights' sums (fp16 ones) and zero dots (a page's value zeros), 16 bytes
+// a four-token group: (t0, t0 + 2) twice, (t0 + 1, t0 + 3) twice, one LDS.128 an MMA's A
+constexpr int LZ_BYTES = 1024;
+constexpr int MAGIC = 0x4b400000;  // 1.5 x 2^23
+constexpr float MAGIC_F = 12582912.f;
 
 struct PageArgs {
   const void* q;  // [B, Hq, D] (strides sQb, sQh; channels contiguous), fp16 or bf16
@@ -131,6 +143,14 @@ __device__ __forceinline__ void mma_u8s8(int (&c)[4], uint32_t a0, uint32_t a1, 
 __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
   uint32_t y;
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// 1 / x on the SFU alone (rcp.approx.ftz: within an ulp; 1 / 0 is +inf), without the range checks of
+// __fdividef
+__device__ __forceinline__ float rcp_ftz(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
 
@@ -235,7 +255,7 @@ template <int STAGES> constexpr int min_blocks() { return STAGES == 1 ? 3 : 2; }
 // a warp's shared memory: the n = 8 tile's query rows (2 bytes each; rows past the group's heads
 // zero) and its stages
 template <int NB, int STAGES>
-__host__ __device__ constexpr int warp_bytes() { return RMAX * D * 2 + STAGES * Layout<NB>::BYTES; }
+__host__ __device__ constexpr int warp_bytes() { return RMAX * D * 2 + LZ_BYTES + STAGES * Layout<NB>::BYTES; }
 
 // The scores of a packed key page staged at st (`issue_keys`) against a group's queries qs (fp16,
 // [RMAX, D] in shared memory): s[P][jh] is the score tile (token quarter P, half jh) of 16 tokens x
@@ -244,7 +264,7 @@ __host__ __device__ constexpr int warp_bytes() { return RMAX * D * 2 + STAGES * 
 // page kernel and the tail kernel (a window slot whose keys are packed and values are not).
 template <int NB>
 __device__ __forceinline__ void page_key_scores(float (&s)[4][2][4], const uint8_t* st, const half* qs, int g, int t,
-                                                float scaling) {
+                                                float scaling, float off0 = 0.f, float off1 = 0.f) {
   using L = Layout<NB>;
   // ---- the queries for int8 key dots: x the page's key scales, rounded to 8 bits per head (sigma = max / 127) ----
   // Thread (g, t) holds head g's channels c0 .. c0 + 15 for c0 = 16 t and 64 + 16 t as 16 fp16 pairs:
@@ -292,8 +312,9 @@ __device__ __forceinline__ void page_key_scores(float (&s)[4][2][4], const uint8
   // (the approximate divisions, MUFU.RCP: IEEE division's slow path would cost 20 instructions each)
   // (the reciprocal held to fp16's largest, 65504: below a largest magnitude of 127 / 65504 the
   // queries keep fewer than 127 steps, each of 1 / 65504)
-  const __half inv = __float2half_rn(amax > 0.f ? fminf(__fdividef(127.f, amax), 65504.f) : 0.f);  // rows past the group's heads are zero
-  const float sigma = amax > 0.f ? __fdividef(1.f, __half2float(inv)) : 0.f;
+  // (rows past the group's heads are zero: their reciprocal is held to 65504 and their codes are 0)
+  const __half inv = __float2half_rn(fminf(127.f * rcp_ftz(amax), 65504.f));
+  const float sigma = rcp_ftz(__half2float(inv));
   const __half2 inv2 = __half2half2(inv), magic = __float2half2_rn(1536.f);
   uint32_t kb8[8];
   int rsum = 0;  // the thread's rounded queries, summed: with the scale dot, the rounding's error at the codes' mean
@@ -337,8 +358,8 @@ __device__ __forceinline__ void page_key_scores(float (&s)[4][2][4], const uint8
     float bamax = fmaxf(__low2float(bmax2), __high2float(bmax2));
     bamax = fmaxf(bamax, __shfl_xor_sync(~0u, bamax, 1));
     bamax = fmaxf(bamax, __shfl_xor_sync(~0u, bamax, 2));
-    const __half binv = __float2half_rn(bamax > 0.f ? fminf(__fdividef(127.f, bamax), 65504.f) : 0.f);
-    bsigma = bamax > 0.f ? __fdividef(1.f, __half2float(binv)) : 0.f;
+    const __half binv = __float2half_rn(fminf(127.f * rcp_ftz(bamax), 65504.f));
+    bsigma = rcp_ftz(__half2float(binv));
     const __half2 binv2 = __half2half2(binv);
     int brsum = 0;
 #pragma unroll
@@ -356,7 +377,7 @@ __device__ __forceinline__ void page_key_scores(float (&s)[4][2][4], const uint8
   const float e0 = __shfl_sync(~0u, rerr, 8 * t), e1 = __shfl_sync(~0u, rerr, 8 * t + 4);
   const float qz0 = __shfl_sync(~0u, dots[0], t), qz1 = __shfl_sync(~0u, dots[1], t);
   const float qsc0 = __shfl_sync(~0u, dots[0], 4 + t), qsc1 = __shfl_sync(~0u, dots[1], 4 + t);
-  const float zero0 = (qz0 + 1.5f * qsc0 - e0) * scaling, zero1 = (qz1 + 1.5f * qsc1 - e1) * scaling;
+  const float zero0 = (qz0 + 1.5f * qsc0 - e0) * scaling - off0, zero1 = (qz1 + 1.5f * qsc1 - e1) * scaling - off1;
   const float sig = sigma * scaling;
   const float sig0 = __shfl_sync(~0u, sig, 8 * t), sig1 = __shfl_sync(~0u, sig, 8 * t + 4);
   const float bsig = bsigma * 4.f * scaling;  // x 4: the high codes' weight
@@ -387,12 +408,12 @@ __device__ __forceinline__ void page_key_scores(float (&s)[4][2][4], const uint8
 #pragma unroll
     for (int P = 0; P < 4; ++P) {
       const uint32_t m8 = 0x03030303u << (2 * P);  // plane P of four bytes: code x 4^P, unsigned 8-bit
-      int acc8[4] = {0, 0, 0, 0};
+      int acc8[4] = {MAGIC, MAGIC, MAGIC, MAGIC};
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
         mma_u8s8(acc8, wd[0][2 * kk] & m8, wd[1][2 * kk] & m8, wd[0][2 * kk + 1] & m8, wd[1][2 * kk + 1] & m8,
                  kb8[2 * kk], kb8[2 * kk + 1]);
-      int hacc[4] = {0, 0, 0, 0};
+      int hacc[4] = {MAGIC, MAGIC, MAGIC, MAGIC};
       if constexpr (NB > 0) {
 #pragma unroll
         for (int kk = 0; kk < (NBW + 1) / 2; ++kk) {
@@ -404,13 +425,14 @@ __device__ __forceinline__ void page_key_scores(float (&s)[4][2][4], const uint8
         }
       }
       const float f0 = sig0 / float(1 << (2 * P)), f1 = sig1 / float(1 << (2 * P));
+      const float b0 = NB > 0 ? bsig0 / float(1 << (2 * P)) : 0.f, b1 = NB > 0 ? bsig1 / float(1 << (2 * P)) : 0.f;
+      const float k0 = fmaf(-MAGIC_F, f0 + b0, zero0), k1 = fmaf(-MAGIC_F, f1 + b1, zero1);
       float* c = s[P][jh];
-      c[0] = float(acc8[0]) * f0 + zero0; c[1] = float(acc8[1]) * f1 + zero1;
-      c[2] = float(acc8[2]) * f0 + zero0; c[3] = float(acc8[3]) * f1 + zero1;
+      c[0] = fmaf(__int_as_float(acc8[0]), f0, k0); c[1] = fmaf(__int_as_float(acc8[1]), f1, k1);
+      c[2] = fmaf(__int_as_float(acc8[2]), f0, k0); c[3] = fmaf(__int_as_float(acc8[3]), f1, k1);
       if constexpr (NB > 0) {
-        const float b0 = bsig0 / float(1 << (2 * P)), b1 = bsig1 / float(1 << (2 * P));
-        c[0] += float(hacc[0]) * b0; c[1] += float(hacc[1]) * b1;
-        c[2] += float(hacc[2]) * b0; c[3] += float(hacc[3]) * b1;
+        c[0] = fmaf(__int_as_float(hacc[0]), b0, c[0]); c[1] = fmaf(__int_as_float(hacc[1]), b1, c[1]);
+        c[2] = fmaf(__int_as_float(hacc[2]), b0, c[2]); c[3] = fmaf(__int_as_float(hacc[3]), b1, c[3]);
       }
     }
   }
@@ -435,7 +457,9 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
   const int h = (item / a.chunks) % a.hkv;
   const int b = item / (a.chunks * a.hkv);
   half* qs = reinterpret_cast<half*>(smem + warp * warp_bytes<NB, STAGES>());
-  uint8_t* stages = reinterpret_cast<uint8_t*>(qs + RMAX * D);
+  uint8_t* ones = reinterpret_cast<uint8_t*>(qs + RMAX * D);
+  uint8_t* zq = ones + LZ_BYTES / 2;
+  uint8_t* stages = ones + LZ_BYTES;
 
   // the sequence's live slots spread evenly over the grid's chunks, at most ppp each (the grid has
   // ceil(slots / ppp) chunks for the longest run): a grid sized for the cache's capacity (one CUDA
@@ -474,6 +498,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     const int r = i / D;
     qs[i] = r < a.rep ? __float2half_rn(to_f<T>(q[r * a.sQh + i % D])) : __float2half_rn(0.f);
   }
+  reinterpret_cast<uint4*>(ones)[lane] = make_uint4(0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u);
   __syncwarp();
 
   float acc[4][2][4];  // [channel plane P'][half jj][fragment]: O^T rows P'*32 + jj*16 + g (+8), heads 2t, 2t+1
@@ -483,7 +508,8 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int k = 0; k < 4; ++k) acc[i][j][k] = 0.f;
-  float m0 = __int_as_float(0xff800000), m1 = __int_as_float(0xff800000), l0 = 0.f, l1 = 0.f, z0 = 0.f, z1 = 0.f;
+  float m0 = 0.f, m1 = 0.f;  // the running max (base 2), the scores' origin from the second page on
+  float lz[4] = {0.f, 0.f, 0.f, 0.f};  // row 0 (lanes g = 0): the weights' sums; row 1 (g = 1): their dots with the value zeros
 
   for (int i = 0; i < count; ++i) {
     // ---- page copies: page i + STAGES - 1 put in flight, page i waited for (at one stage: its key
@@ -500,7 +526,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
 
     // ---- key scores: the queries x the page's key scales rounded to 8 bits, int8 dots (`page_key_scores`) ----
     float s[4][2][4];
-    page_key_scores<NB>(s, st, qs, g, t, a.scaling);
+    page_key_scores<NB>(s, st, qs, g, t, a.scaling, m0, m1);
 
     // ---- page copies, at one stage: page i + 1's key half into the buffer, page i's value half waited for ----
     if constexpr (STAGES == 1) {
@@ -511,27 +537,33 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
       __syncwarp();
     }
 
-    // ---- online softmax (base 2) per head column ----
-    float x0 = __int_as_float(0xff800000), x1 = __int_as_float(0xff800000);
+    // ---- online softmax (base 2) per head column: the scores come relative to the running max ----
+    float x0 = fmaxf(s[0][0][0], s[0][0][2]), x1 = fmaxf(s[0][0][1], s[0][0][3]);
 #pragma unroll
     for (int P = 0; P < 4; ++P)
 #pragma unroll
-      for (int jh = 0; jh < 2; ++jh) {
+      for (int jh = P == 0 ? 1 : 0; jh < 2; ++jh) {
         x0 = fmaxf(x0, fmaxf(s[P][jh][0], s[P][jh][2]));
         x1 = fmaxf(x1, fmaxf(s[P][jh][1], s[P][jh][3]));
       }
+    // the max moves (and what was summed is rescaled) on the first page and where a score passed it
+    // (a warp-wide vote: the branch is uniform), after a sequence's first pages seldom
+    if (i == 0 || __any_sync(~0u, fmaxf(x0, x1) > 0.f)) {
 #pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-      x0 = fmaxf(x0, __shfl_xor_sync(~0u, x0, o));
-      x1 = fmaxf(x1, __shfl_xor_sync(~0u, x1, o));
-    }
-    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
-    // what was summed so far is rescaled only when a head's max grew (a warp-wide vote: the branch
-    // is uniform), which after a sequence's first pages is seldom; the same numbers either way
-    if (__any_sync(~0u, n0 > m0 || n1 > m1)) {
-      const float al0 = exp2_ftz(m0 - n0), al1 = exp2_ftz(m1 - n1);
-      m0 = n0; m1 = n1;
-      l0 *= al0; l1 *= al1; z0 *= al0; z1 *= al1;
+      for (int o = 4; o < 32; o <<= 1) {
+        x0 = fmaxf(x0, __shfl_xor_sync(~0u, x0, o));
+        x1 = fmaxf(x1, __shfl_xor_sync(~0u, x1, o));
+      }
+      const float d0 = i == 0 ? x0 : fmaxf(x0, 0.f), d1 = i == 0 ? x1 : fmaxf(x1, 0.f);
+      const float al0 = i == 0 ? 0.f : exp2_ftz(-d0), al1 = i == 0 ? 0.f : exp2_ftz(-d1);
+      m0 += d0; m1 += d1;
+      lz[0] *= al0; lz[1] *= al1;
+#pragma unroll
+      for (int P = 0; P < 4; ++P)
+#pragma unroll
+        for (int jh = 0; jh < 2; ++jh) {
+          s[P][jh][0] -= d0; s[P][jh][1] -= d1; s[P][jh][2] -= d0; s[P][jh][3] -= d1;
+        }
 #pragma unroll
       for (int i2 = 0; i2 < 4; ++i2)
 #pragma unroll
@@ -541,6 +573,17 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     }
 
     // ---- values: per token tile (P, jh), the weights as the B operand of 8 channel tiles ----
+    // each group of four tokens' value scales and zeros put in the order of the B operand's pairs,
+    // (t0, t0 + 2), (t0 + 1, t0 + 3), in place
+    {
+      uint2* vsz = reinterpret_cast<uint2*>(const_cast<uint8_t*>(st) + L::VS);  // VZ = VS + 256
+      const uint2 x = vsz[lane], y = vsz[lane + 32];
+      vsz[lane] = make_uint2(__byte_perm(x.x, x.y, 0x5410), __byte_perm(x.x, x.y, 0x7632));
+      const uint32_t z0 = __byte_perm(y.x, y.y, 0x5410), z1 = __byte_perm(y.x, y.y, 0x7632);
+      reinterpret_cast<uint4*>(zq)[lane] = make_uint4(z0, z0, z1, z1);
+      __syncwarp();
+    }
+    const uint8_t* lzrow = g == 0 ? ones : zq;  // the A operand of the weights' sums (row 0) and zero dots (row 1)
 #pragma unroll
     for (int P = 0; P < 4; ++P) {
       uint32_t vw[2][2][2];  // [jj][ss][jh]
@@ -554,17 +597,20 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
         }
 #pragma unroll
       for (int jh = 0; jh < 2; ++jh) {
-        const int tok = 32 * P + key_row(g, jh, 0);  // this thread's rows g, g + 8: tokens tok, tok + 1
-        const __half2 vsc = *reinterpret_cast<const __half2*>(st + L::VS + 2 * tok);
-        const float2 vzr = __half22float2(*reinterpret_cast<const __half2*>(st + L::VZ + 2 * tok));
+        // after the transpose this thread holds the weights of tokens (t0, t0 + 2) in b0 and (t0 + 1,
+        // t0 + 3) in b1, t0 = 32 P + 8 t + 4 jh: four-token group 8 P + 2 t + jh
+        const int grp = 8 * P + 2 * t + jh;
+        const uint2 vsc = *reinterpret_cast<const uint2*>(st + L::VS + 8 * grp);
+        const uint4 lza = *reinterpret_cast<const uint4*>(lzrow + 16 * grp);
         const float* c = s[P][jh];
-        const float p0 = exp2_ftz(c[0] - n0), p1 = exp2_ftz(c[1] - n1);
-        const float p2 = exp2_ftz(c[2] - n0), p3 = exp2_ftz(c[3] - n1);
-        l0 += p0 + p2; l1 += p1 + p3;
-        z0 += p0 * vzr.x + p2 * vzr.y; z1 += p1 * vzr.x + p3 * vzr.y;
+        const float p0 = exp2_ftz(c[0]), p1 = exp2_ftz(c[1]), p2 = exp2_ftz(c[2]), p3 = exp2_ftz(c[3]);
+        const uint32_t u0 = transpose8x8(half2_bits(__floats2half2_rn(p0, p1)));
+        const uint32_t u1 = transpose8x8(half2_bits(__floats2half2_rn(p2, p3)));
+        // the weights' sums and zero dots: rows 0 and 1 of one MMA (rows 2-15 are not read)
+        mma(lz, lza.x, lza.y, lza.z, lza.w, u0, u1);
         // the weights x their token's value scale, in fp16 (the B operand's type): one HMUL2 a pair
-        const uint32_t b0 = transpose8x8(half2_bits(__hmul2(__floats2half2_rn(p0, p1), __low2half2(vsc))));
-        const uint32_t b1 = transpose8x8(half2_bits(__hmul2(__floats2half2_rn(p2, p3), __high2half2(vsc))));
+        const uint32_t b0 = half2_bits(__hmul2(*reinterpret_cast<const __half2*>(&u0), *reinterpret_cast<const __half2*>(&vsc.x)));
+        const uint32_t b1 = half2_bits(__hmul2(*reinterpret_cast<const __half2*>(&u1), *reinterpret_cast<const __half2*>(&vsc.y)));
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
           const uint32_t w0 = vw[jj][0][jh], w1 = vw[jj][1][jh];
@@ -587,11 +633,8 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
   cp_wait<0>();
 
   // ---- the partial: max (natural log), sum, output = weighted values / sum ----
-#pragma unroll
-  for (int o = 4; o < 32; o <<= 1) {
-    l0 += __shfl_xor_sync(~0u, l0, o); l1 += __shfl_xor_sync(~0u, l1, o);
-    z0 += __shfl_xor_sync(~0u, z0, o); z1 += __shfl_xor_sync(~0u, z1, o);
-  }
+  const float l0 = __shfl_sync(~0u, lz[0], t), l1 = __shfl_sync(~0u, lz[1], t);
+  const float z0 = __shfl_sync(~0u, lz[0], 4 + t), z1 = __shfl_sync(~0u, lz[1], 4 + t);
   const int h0 = 2 * t, h1 = 2 * t + 1;
   const float r0 = 1.f / l0, r1 = 1.f / l1;
   T* out = reinterpret_cast<T*>(a.acc) + b * a.sAb + (long long)(h * a.rep) * a.sAh + (a.chunk0 + chunk) * a.sAc;
