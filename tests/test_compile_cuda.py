@@ -88,7 +88,8 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc
 def test_each_mma_of_the_page_loop_is_counted_in_its_part(n_boost, arch):
     """A page is 4 token quarters x 2 halves: keys 4 k-tiles of m16n8k32 each (+1 for the boosted
     channels' high codes), values 2 channel tiles x 4 code planes of m16n8k16 each and one for the
-    weights' sums and zero dots; the queries' zero and scale dots one m16n8k16 per 16 channels. The MMAs are written in a helper (`mma`, `mma_u8s8`)
+    weights' sums and zero dots; the queries' zero and scale dots one m16n8k16 per 16 channels. The
+    MMAs are written in a helper (`mma`, `mma_u8s8`)
     far from the kernel, and the key scores in another (`page_key_scores`, which the tail kernel
     shares): each must count where the kernel calls it. At one stage a page's key half and value
     half are copied at two places of the loop. The same for Ada, whose loop ptxas closes otherwise."""

@@ -169,6 +169,11 @@ __device__ __forceinline__ uint32_t unset() {
 
 __device__ __forceinline__ uint32_t half2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
+// the fp16 pairs x and y multiplied (HMUL2), as bits
+__device__ __forceinline__ uint32_t hmul2_bits(uint32_t x, uint32_t y) {
+  return half2_bits(__hmul2(*reinterpret_cast<const __half2*>(&x), *reinterpret_cast<const __half2*>(&y)));
+}
+
 // Plane p of a word of packed bytes (or of it shifted right 8): bytes 0 and 2 -> the fp16 subnormals
 // 2^-24 x 4^p x code (one LOP3). p is a constant once the loops are unrolled.
 __device__ __forceinline__ uint32_t plane_rt(uint32_t w, int p) { return w & (0x00030003u << (2 * p)); }
@@ -509,7 +514,8 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
 #pragma unroll
       for (int k = 0; k < 4; ++k) acc[i][j][k] = 0.f;
   float m0 = 0.f, m1 = 0.f;  // the running max (base 2), the scores' origin from the second page on
-  float lz[4] = {0.f, 0.f, 0.f, 0.f};  // row 0 (lanes g = 0): the weights' sums; row 1 (g = 1): their dots with the value zeros
+  // row 0 (lanes g = 0): the weights' sums; row 1 (g = 1): their dots with the value zeros
+  float lz[4] = {0.f, 0.f, 0.f, 0.f};
 
   for (int i = 0; i < count; ++i) {
     // ---- page copies: page i + STAGES - 1 put in flight, page i waited for (at one stage: its key
@@ -522,7 +528,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     }
     cp_wait<1>();  // at two stages: all but the page just issued; at one: all but page i's value half
     __syncwarp();
-    const uint8_t* st = stages + (i % STAGES) * L::BYTES;
+    uint8_t* const st = stages + (i % STAGES) * L::BYTES;
 
     // ---- key scores: the queries x the page's key scales rounded to 8 bits, int8 dots (`page_key_scores`) ----
     float s[4][2][4];
@@ -576,7 +582,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
     // each group of four tokens' value scales and zeros put in the order of the B operand's pairs,
     // (t0, t0 + 2), (t0 + 1, t0 + 3), in place
     {
-      uint2* vsz = reinterpret_cast<uint2*>(const_cast<uint8_t*>(st) + L::VS);  // VZ = VS + 256
+      uint2* vsz = reinterpret_cast<uint2*>(st + L::VS);  // VZ = VS + 256
       const uint2 x = vsz[lane], y = vsz[lane + 32];
       vsz[lane] = make_uint2(__byte_perm(x.x, x.y, 0x5410), __byte_perm(x.x, x.y, 0x7632));
       const uint32_t z0 = __byte_perm(y.x, y.y, 0x5410), z1 = __byte_perm(y.x, y.y, 0x7632);
@@ -609,8 +615,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
         // the weights' sums and zero dots: rows 0 and 1 of one MMA (rows 2-15 are not read)
         mma(lz, lza.x, lza.y, lza.z, lza.w, u0, u1);
         // the weights x their token's value scale, in fp16 (the B operand's type): one HMUL2 a pair
-        const uint32_t b0 = half2_bits(__hmul2(*reinterpret_cast<const __half2*>(&u0), *reinterpret_cast<const __half2*>(&vsc.x)));
-        const uint32_t b1 = half2_bits(__hmul2(*reinterpret_cast<const __half2*>(&u1), *reinterpret_cast<const __half2*>(&vsc.y)));
+        const uint32_t b0 = hmul2_bits(u0, vsc.x), b1 = hmul2_bits(u1, vsc.y);
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
           const uint32_t w0 = vw[jj][0][jh], w1 = vw[jj][1][jh];
