@@ -41,7 +41,7 @@ WARPS = 4  # programs (warps) per block: 2 blocks an SM at two cp.async stages, 
 # one stage, then at four blocks an SM, took 5.6% and 7.2% off the step at 544 x 4,704 and
 # 256 x 16,384 tokens (8 waves) and added 2-9% on the grids of about one wave, each at its best pages
 # per program (64 x 8,192, 8 x 32,768, 1 x 131,072). At one stage every build now fits three blocks
-# an SM (168 registers a thread, `__launch_bounds__`; 48-57 KiB of shared memory a block), which took
+# an SM (168 registers a thread, `__launch_bounds__`; 48-65 KiB of shared memory a block), which took
 # another 5-6% off both deep grids
 DEEP_WAVES = 2
 NVCC_FLAGS = ["-O3"]  # besides torch's own (`torch.utils.cpp_extension.COMMON_NVCC_FLAGS`)
@@ -303,7 +303,7 @@ def launch_plan(pairs: int, slots: int, sms: int, pages_per_program: int | None 
     fills about one wave of programs (an SM holds 2 x WARPS of them at two stages): long runs keep the
     pipeline full and write few partials, and one wave keeps every SM streaming. Stages: two (each
     warp's next page in flight while it computes one) where the grid is up to DEEP_WAVES waves; one
-    on deeper grids, where a block's 53 KiB instead of 93 KiB of shared memory (at 25% boost) and 168
+    on deeper grids, where a block's 61 KiB instead of 101 KiB of shared memory (at 25% boost) and 168
     registers a thread let three blocks share an SM instead of two, and each warp still copies one half of a page while it
     computes the other. `python -m kitty_core.bench kernels --cuda --ppp 4,8,16,32 --stages 1,2` times others."""
     resident = sms * 2 * WARPS

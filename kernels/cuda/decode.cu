@@ -57,9 +57,9 @@
 // (page p + STAGES - 1 is in flight while page p is computed); a page's planes, scales and boost
 // index are one group. One stage is one buffer whose halves are pipelined: page p + 1's key half
 // is copied while page p's values are computed, and its value half while its own keys are: two groups
-// a page. The block's smaller footprint (the queries in fp16, 2 KiB a warp, and one page buffer)
-// would let four blocks share an SM instead of two; the registers hold it to three (`min_blocks`;
-// `launch_plan` in `kernels/cuda_decode.py` takes one stage for deep grids only). Shared-memory rows are
+// a page. The block's smaller footprint (the queries in fp16 and their copy x key scale, 2 KiB each a
+// warp, and one page buffer) lets three blocks share an SM instead of two, as the registers do
+// (`min_blocks`; `launch_plan` in `kernels/cuda_decode.py` takes one stage for deep grids only). Shared-memory rows are
 // XOR-swizzled so that the fragment reads hit distinct banks, and a lane's copies of a page share
 // one shared and one global base address a plane, the rest immediate offsets of the instructions.
 
@@ -112,6 +112,17 @@ struct Layout {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// a shared-memory store and load that only each other read: volatile, they keep their order (and the
+// __syncwarp between them) without a "memory" clobber, which would hold back every other load
+__device__ __forceinline__ void sts32(uint32_t addr, uint32_t x) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(x));
+}
+__device__ __forceinline__ uint32_t lds16(uint32_t addr) {
+  uint16_t x;
+  asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(x) : "r"(addr));
+  return x;
 }
 
 __device__ __forceinline__ void cp16(void* dst, const void* src) {
@@ -251,16 +262,36 @@ __device__ __forceinline__ void issue_page(uint8_t* st, const PageArgs& a, int k
 }
 
 // blocks an SM the registers must allow: three at one stage (168 registers a thread), two at two
-// stages (shared memory's limit). Shared memory would hold four blocks at one stage, but at 128
-// registers the one-stage builds spill (21-70 memory operations, 4-23 a page; at 168: 0-20 and 0-3)
+// stages (shared memory's limit). Shared memory would hold four blocks at one stage without boosted
+// channels (three with them: 59-65 KiB a block with the gather's copy), but at 128 registers the
+// one-stage builds spill (21-70 memory operations, 4-23 a page; at 168: 0-20 and 0-3)
 // and, on one H200 at 25% boost, took 5-6% more time on the deep grids of `docs/engine.md` (the
 // same at boost 0)
 template <int STAGES> constexpr int min_blocks() { return STAGES == 1 ? 3 : 2; }
 
-// a warp's shared memory: the n = 8 tile's query rows (2 bytes each; rows past the group's heads
-// zero) and its stages
+// With boosted channels, a warp keeps a copy of its queries x the page's key scales (fp16, RMAX rows of
+// D), from which the boosted channels are gathered: a row is 256 bytes at a 256-byte aligned address,
+// so that a channel's address is its row's with the low byte replaced by 2 x channel (one PRMT)
+template <int NB> constexpr int QX_BYTES = NB > 0 ? RMAX * D * 2 : 0;
+constexpr int ALIGN = 256;
+__host__ __device__ constexpr int round_up(int n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
+
+// a block's dynamic shared memory from its first ALIGN-aligned byte, where the gather needs it (the
+// launch adds ALIGN bytes); said so to the compiler, which then merges loads and folds offsets as it
+// does on the declared 128-byte alignment
+template <int NB>
+__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* smem) {
+  if constexpr (NB == 0) return smem;
+  return static_cast<uint8_t*>(
+      __builtin_assume_aligned(smem + ((ALIGN - (smem_addr(smem) & (ALIGN - 1))) & (ALIGN - 1)), ALIGN));
+}
+
+// a warp's shared memory: the copy above, the n = 8 tile's query rows (2 bytes each; rows past the
+// group's heads zero), the rows of ones and value zeros, and its stages
 template <int NB, int STAGES>
-__host__ __device__ constexpr int warp_bytes() { return RMAX * D * 2 + LZ_BYTES + STAGES * Layout<NB>::BYTES; }
+__host__ __device__ constexpr int warp_bytes() {
+  return round_up(QX_BYTES<NB> + RMAX * D * 2 + LZ_BYTES + STAGES * Layout<NB>::BYTES);
+}
 
 // The scores of a packed key page staged at st (`issue_keys`) against a group's queries qs (fp16,
 // [RMAX, D] in shared memory): s[P][jh] is the score tile (token quarter P, half jh) of 16 tokens x
@@ -268,8 +299,8 @@ __host__ __device__ constexpr int warp_bytes() { return RMAX * D * 2 + LZ_BYTES 
 // 2t, 2t + 1; base 2, `scaling` (softmax scale x log2 e) and the zero term included. Shared by the
 // page kernel and the tail kernel (a window slot whose keys are packed and values are not).
 template <int NB>
-__device__ __forceinline__ void page_key_scores(float (&s)[4][2][4], const uint8_t* st, const half* qs, int g, int t,
-                                                float scaling, float off0 = 0.f, float off1 = 0.f) {
+__device__ __forceinline__ void page_key_scores(float (&s)[4][2][4], const uint8_t* st, const half* qs, half* qx, int g,
+                                                int t, float scaling, float off0 = 0.f, float off1 = 0.f) {
   using L = Layout<NB>;
   // ---- the queries for int8 key dots: x the page's key scales, rounded to 8 bits per head (sigma = max / 127) ----
   // Thread (g, t) holds head g's channels c0 .. c0 + 15 for c0 = 16 t and 64 + 16 t as 16 fp16 pairs:
@@ -308,6 +339,12 @@ __device__ __forceinline__ void page_key_scores(float (&s)[4][2][4], const uint8
     x2[k] = __hmul2(*reinterpret_cast<const __half2*>(&qw[k]), *reinterpret_cast<const __half2*>(&sw[k]));
     amax2 = __hmax2(amax2, __habs2(x2[k]));
   }
+  if constexpr (NB > 0) {  // the products to row g of the warp's copy, for the boosted channels' gather
+    const uint32_t xr = smem_addr(qx + g * D + 16 * t);
+#pragma unroll
+    for (int k = 0; k < 16; ++k) sts32(xr + 128 * (k / 8) + 4 * (k % 8), half2_bits(x2[k]));
+    __syncwarp();
+  }
   float amax = fmaxf(__low2float(amax2), __high2float(amax2));
   amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, 2));
@@ -338,23 +375,25 @@ __device__ __forceinline__ void page_key_scores(float (&s)[4][2][4], const uint8
   if constexpr (NB > 0) {
     // the boosted channels' high codes, on a scale of their own: a boosted channel's key scale is
     // about a fifth of a 2-bit one's, so on the dense scale its queries would keep few levels. The
-    // thread's NB / 4 channels (its high-plane bytes of a row) are gathered two at a time into fp16
-    // pairs and rounded as the dense ones are. Their sum is taken of the products x 1/8 (exact, and
-    // one HFMA2 a pair as an HADD2 would be): up to 2 x NBW = 8 of them a half, each below fp16's
+    // thread's NB / 4 channels (its high-plane bytes of a row) are gathered from the warp's copy of q x
+    // key scale two at a time into fp16 pairs and rounded as the dense ones are. Their sum is taken of
+    // the products x 1/8 (exact, and one HFMA2 a pair as an HADD2 would be): up to 2 x NBW = 8 of them a half, each below fp16's
     // largest, cannot overflow it, where a plain sum of large keys' products could
     __half2 xb[2 * NBW];
     __half2 bmax2 = __float2half2_rn(0.f), bsum2 = __float2half2_rn(0.f);
     const __half2 eighth = __float2half2_rn(0.125f);
     static_assert(2 * NBW <= 8, "the boosted sum x 1/8 holds at most 8 products a half");
-    const half* kscale = reinterpret_cast<const half*>(st + L::KS);
+    const uint32_t row = smem_addr(qx + g * D);
 #pragma unroll
     for (int w = 0; w < NBW; ++w) {
-      const uint32_t chs = *reinterpret_cast<const uint32_t*>(st + L::KC + t * (NB / 4) + 4 * w);
+      // four channels' byte offsets 2c in the row (c < D = 128: no carry into the next byte)
+      const uint32_t off = *reinterpret_cast<const uint32_t*>(st + L::KC + t * (NB / 4) + 4 * w) << 1;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const int c0 = (chs >> (16 * j)) & 0xff, c1 = (chs >> (16 * j + 8)) & 0xff;
-        const __half2 x = __hmul2(__halves2half2(qs[g * D + c0], qs[g * D + c1]),
-                                  __halves2half2(kscale[c0], kscale[c1]));
+        const uint32_t lo = lds16(__byte_perm(off, row, 0x7650 | (2 * j))),
+                       hi = lds16(__byte_perm(off, row, 0x7650 | (2 * j + 1)));
+        const uint32_t bits = __byte_perm(lo, hi, 0x5410);
+        const __half2 x = *reinterpret_cast<const __half2*>(&bits);
         xb[2 * w + j] = x;
         bmax2 = __hmax2(bmax2, __habs2(x));
         bsum2 = __hfma2(x, eighth, bsum2);
@@ -461,7 +500,8 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
   const int chunk = item % a.chunks;
   const int h = (item / a.chunks) % a.hkv;
   const int b = item / (a.chunks * a.hkv);
-  half* qs = reinterpret_cast<half*>(smem + warp * warp_bytes<NB, STAGES>());
+  half* qx = reinterpret_cast<half*>(aligned_smem<NB>(smem) + warp * warp_bytes<NB, STAGES>());
+  half* qs = qx + QX_BYTES<NB> / 2;
   uint8_t* ones = reinterpret_cast<uint8_t*>(qs + RMAX * D);
   uint8_t* zq = ones + LZ_BYTES / 2;
   uint8_t* stages = ones + LZ_BYTES;
@@ -532,7 +572,7 @@ __global__ void __launch_bounds__(128, min_blocks<STAGES>()) pages_kernel(const 
 
     // ---- key scores: the queries x the page's key scales rounded to 8 bits, int8 dots (`page_key_scores`) ----
     float s[4][2][4];
-    page_key_scores<NB>(s, st, qs, g, t, a.scaling, m0, m1);
+    page_key_scores<NB>(s, st, qs, qx, g, t, a.scaling, m0, m1);
 
     // ---- page copies, at one stage: page i + 1's key half into the buffer, page i's value half waited for ----
     if constexpr (STAGES == 1) {
@@ -680,13 +720,13 @@ int launch_warps(const Args& a, long long items, int per_warp, int warps, cudaSt
   if (e != cudaSuccess) return (int)e;
   if (dev >= DEVICES) return (int)cudaErrorInvalidDevice;
   if (!sized[dev]) {
-    e = cudaFuncSetAttribute(KERN, cudaFuncAttributeMaxDynamicSharedMemorySize, 4 * per_warp);
+    e = cudaFuncSetAttribute(KERN, cudaFuncAttributeMaxDynamicSharedMemorySize, 4 * per_warp + ALIGN);
     if (e != cudaSuccess) return (int)e;
     sized[dev] = true;
   }
   const int blocks = (int)((items + warps - 1) / warps);
   if (blocks == 0) return 0;
-  KERN<<<blocks, warps * 32, (size_t)warps * per_warp, stream>>>(a);
+  KERN<<<blocks, warps * 32, (size_t)warps * per_warp + ALIGN, stream>>>(a);
   return (int)cudaGetLastError();
 }
 
@@ -814,9 +854,12 @@ __device__ __forceinline__ void store_token(X* buf, float* scales, long long at,
   }
 }
 
-// one warp's shared memory: a packed key page's queries (fp16) and key half (the page kernel's layout)
+// one warp's shared memory: with boosted channels, the copy of q x key scale; a packed key page's queries
+// (fp16) and key half (the page kernel's layout)
 template <int NB>
-__host__ __device__ constexpr int tail_warp_bytes() { return RMAX * D * 2 + Layout<NB>::BYTES; }
+__host__ __device__ constexpr int tail_warp_bytes() {
+  return round_up(QX_BYTES<NB> + RMAX * D * 2 + Layout<NB>::BYTES);
+}
 
 // The running softmax of a tail program: O^T tile m rows g, g + 8 = channels 16g + 2m, 16g + 2m + 1,
 // columns heads 2t, 2t + 1; max (base 2) and sum of those heads
@@ -1013,7 +1056,8 @@ __global__ void __launch_bounds__(128) tail_kernel(const TailArgs ta) {
   // in shared memory with the key page's half beside them (a packed slot: `page_key_scores`) ----
   const T* q = reinterpret_cast<const T*>(a.q) + b * a.sQb + (long long)(h * a.rep) * a.sQh;
   if (packed) {
-    half* qs = reinterpret_cast<half*>(smem + warp * tail_warp_bytes<NB>());
+    half* qx = reinterpret_cast<half*>(aligned_smem<NB>(smem) + warp * tail_warp_bytes<NB>());
+    half* qs = qx + QX_BYTES<NB> / 2;
     uint8_t* st = reinterpret_cast<uint8_t*>(qs + RMAX * D);
     issue_keys<NB>(st, a, a.kt[b * a.sKT + c], h, lane);
     cp_commit();
@@ -1024,7 +1068,7 @@ __global__ void __launch_bounds__(128) tail_kernel(const TailArgs ta) {
     cp_wait<0>();
     __syncwarp();
     float sp[4][2][4];
-    page_key_scores<NB>(sp, st, qs, g, t, a.scaling);
+    page_key_scores<NB>(sp, st, qs, qx, g, t, a.scaling);
     // the scores to shared memory (over the page's key half, read): the token loop reads them by tile
     __syncwarp();
     float* ss = reinterpret_cast<float*>(st);
