@@ -59,9 +59,10 @@
 // is copied while page p's values are computed, and its value half while its own keys are: two groups
 // a page. The block's smaller footprint (the queries in fp16 and their copy x key scale, 2 KiB each a
 // warp, and one page buffer) lets three blocks share an SM instead of two, as the registers do
-// (`min_blocks`; `launch_plan` in `kernels/cuda_decode.py` takes one stage for deep grids only). Shared-memory rows are
-// XOR-swizzled so that the fragment reads hit distinct banks, and a lane's copies of a page share
-// one shared and one global base address a plane, the rest immediate offsets of the instructions.
+// (`min_blocks`; `launch_plan` in `kernels/cuda_decode.py` takes one stage for deep grids only).
+// Shared-memory rows are XOR-swizzled so that the fragment reads hit distinct banks, and a lane's
+// copies of a page share one shared and one global base address a plane, the rest immediate offsets
+// of the instructions.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -377,8 +378,9 @@ __device__ __forceinline__ void page_key_scores(float (&s)[4][2][4], const uint8
     // about a fifth of a 2-bit one's, so on the dense scale its queries would keep few levels. The
     // thread's NB / 4 channels (its high-plane bytes of a row) are gathered from the warp's copy of q x
     // key scale two at a time into fp16 pairs and rounded as the dense ones are. Their sum is taken of
-    // the products x 1/8 (exact, and one HFMA2 a pair as an HADD2 would be): up to 2 x NBW = 8 of them a half, each below fp16's
-    // largest, cannot overflow it, where a plain sum of large keys' products could
+    // the products x 1/8 (exact, and one HFMA2 a pair as an HADD2 would be): up to 2 x NBW = 8 of them
+    // a half, each below fp16's largest, cannot overflow it, where a plain sum of large keys' products
+    // could
     __half2 xb[2 * NBW];
     __half2 bmax2 = __float2half2_rn(0.f), bsum2 = __float2half2_rn(0.f);
     const __half2 eighth = __float2half2_rn(0.125f);
