@@ -830,6 +830,13 @@ __device__ __forceinline__ uint32_t int8_biased_pair(uint32_t x, uint32_t c) {
 
 __device__ __forceinline__ uint4 load16(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
+// a token row (D elements: one 128-byte line of int8, two of 16 bits) fetched into L2 ahead of its loads
+template <typename X>
+__device__ __forceinline__ void prefetch_row(const X* row) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(row));
+  if constexpr (sizeof(X) == 2) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + 64));
+}
+
 // Pairs j = 0 .. 15 of a key row as the MMA's operand (channels 16t + 2j, 64 + 16t + 2(j - 8))
 template <typename X>
 __device__ __forceinline__ void key_row_pairs(uint32_t (&k)[16], const X* row, int t) {
@@ -915,6 +922,16 @@ __device__ __forceinline__ void attend(Running& r, const TailTokens& tk, const f
     for (int P = 0; P < 4; ++P) {
       const int base = blk + 32 * P;
       if (base >= tk.count) break;
+      // one token a lane into L2: this tile's value rows (the compiler loads them after the keys' MMAs,
+      // a second trip to memory) and the next tile's rows (its trip while this tile is computed)
+      {
+        const int tok = base + 4 * g + t;  // the lane
+        if (tok < tk.count) prefetch_row(values + tok * tk.svt);
+        if (tok + 32 < tk.count) {
+          if constexpr (!PACKED) prefetch_row(keys + (tok + 32) * tk.skt);
+          prefetch_row(values + (tok + 32) * tk.svt);
+        }
+      }
       // this lane's value rows: tokens base + 8t + 4jh + i, channels 16g .. 16g + 15
       uint4 vr[2][4][sizeof(X) == 1 ? 1 : 2];
 #pragma unroll
