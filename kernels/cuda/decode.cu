@@ -885,9 +885,8 @@ __host__ __device__ constexpr int tail_warp_bytes() {
 }
 
 // The running softmax of a tail program: O^T tile m rows g, g + 8 = channels 16g + 2m, 16g + 2m + 1,
-// columns heads 2t, 2t + 1; max (base 2) and sum of those heads
-// and of an 8-bit tail, -BIAS x the weights' sum of those columns (rows alike), what the value codes'
-// offset added to every row
+// columns heads 2t, 2t + 1; max (base 2) and sum of those heads; and for an 8-bit tail, what takes the
+// value codes' offset back out of every row: -BIAS x the weights' sums of those columns
 struct Running {
   float acc[8][4];
   float m0, m1, l0, l1;
