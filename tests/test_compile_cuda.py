@@ -114,11 +114,11 @@ def test_each_mma_of_the_page_loop_is_counted_in_its_part(n_boost, arch):
 def test_the_tail_kernels_token_loop_holds_a_32_token_blocks_mmas():
     """The tail kernel's longest loop is a 32-token block of a program whose keys are in a buffer: two
     score tiles of 8 k-steps each and two weight tiles over 8 channel tiles, 32 m16n8k16 in all, at
-    either tail width; an 8-bit tail's codes add their conversions to the loop (byte permutes and fp16
-    subtractions)."""
+    either tail width, and at 8 bits one more a weight tile for the codes' offset; an 8-bit tail's codes
+    add their conversions to the loop (byte permutes and LOP3s) and their scales (fp32 products)."""
     report = compile_cuda.tail_report((32,))
     assert list(report["tail_bits"]) == [16, 8]
-    assert (report["loop_tensor core"] == 32).all()
+    assert list(report["loop_tensor core"]) == [32, 32 + 2]
     wide, narrow = report.iloc[0], report.iloc[1]
     assert narrow["loop_integer/bit"] > wide["loop_integer/bit"] and narrow["loop_float"] > wide["loop_float"]
     # a lane's loads a block: 4 key rows (tokens of rows g, g + 8, twice) and 8 value rows, in 16-byte pieces:

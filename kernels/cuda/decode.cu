@@ -754,12 +754,16 @@ int launch_t(const PageArgs& a, int warps, cudaStream_t stream) {
 //   keys    A = key rows [tokens, channels]: a lane loads channels 16t .. 16t + 15 and 64 + 16t .. of
 //           its rows, pair j of them (channels 16t + 2j, or 64 + 16t + 2(j - 8)) is reduction pair j
 //           of the MMA, and the queries (B) are held in the same order; int8 codes become fp16 pairs
-//           (1024 + 128 + code in the low byte, one subtraction: exact);
+//           of code + 1152 (1024 + 128 + code in the low byte: exact, one XOR and two PRMT a word);
 //   values  A = V^T [channels, tokens]: channel row g of channel tile m is channel 16g + 2m (row g + 8:
 //           16g + 2m + 1), so a lane's channels are 16g .. 16g + 15 of each of its tokens, one 16-byte
 //           load a token for int8 (two for 16 bits), and a byte (or half) permute pairs two tokens'
-//           codes of one channel into a register. The output rows come back in that order: a lane
-//           writes 16 contiguous channels of its heads.
+//           codes of one channel into a register (int8: then one LOP3 makes them code + 1152). The
+//           output rows come back in that order: a lane writes 16 contiguous channels of its heads.
+// An 8-bit tail's offset of 1152 is not taken away code by code (one HSUB2 a register) but from the
+// sums, in fp32: a score's MMAs start from -1152 x its head's query sum, and the values' offset,
+// 1152 x the weights' sum, is one MMA a token tile. The sums lose a few of fp32's bits to the offset
+// (codes span 8 of its 11 bits), far below the codes' own rounding.
 // Keys of an 8-bit tail take fp16 queries: a bf16 group's queries are put on a power of two per head
 // that brings the largest magnitude to [2^14, 2^15) (exact but for fp16's subnormals), the inverse
 // taken with the scores. A 16-bit tail's dots take the model's dtype as stored.
@@ -801,32 +805,46 @@ template <> struct Mma<__nv_bfloat16> {
   }
 };
 
-// four int8 codes -> two fp16 pairs (codes 0, 1 and 2, 3), exact: each byte offset by 128 is the low
-// byte of 0x64XX = 1024 + 128 + code
-__device__ __forceinline__ void int8_f16(uint32_t x, uint32_t& lo, uint32_t& hi) {
+// An 8-bit tail's codes as fp16 operands carry an offset: code + BIAS, exact (a byte offset by 128 is
+// the low byte of 0x64XX = 1024 + 128 + code). The offset leaves the MMAs' sums as BIAS x the sum of the
+// other operand, taken away in fp32 where the sums are made: the score MMAs start from -BIAS x the
+// query's sum, and the values' offset is one more MMA a token tile (rows of -BIAS on the weights).
+constexpr float BIAS = 1152.f;
+constexpr uint32_t NEG_BIAS2 = 0xe480e480u;  // -1152, -1152 in fp16
+
+// four int8 codes -> two fp16 pairs of code + BIAS (codes 0, 1 and 2, 3)
+__device__ __forceinline__ void int8_biased(uint32_t x, uint32_t& lo, uint32_t& hi) {
   const uint32_t u = x ^ 0x80808080u;
-  const __half2 off = __float2half2_rn(1152.f);
-  const uint32_t l = __byte_perm(u, 0x64646464u, 0x4140), h = __byte_perm(u, 0x64646464u, 0x4342);
-  lo = half2_bits(__hsub2(*reinterpret_cast<const __half2*>(&l), off));
-  hi = half2_bits(__hsub2(*reinterpret_cast<const __half2*>(&h), off));
+  lo = __byte_perm(u, 0x64646464u, 0x4140);
+  hi = __byte_perm(u, 0x64646464u, 0x4342);
 }
 
-// 16 bytes at p, or zeros (a token past the count: a buffer's stale rows must not reach the MMAs)
-__device__ __forceinline__ uint4 load16(const void* p, bool live) {
+// codes at bytes 0 and 2 of x -> one fp16 pair of code + BIAS: the bytes flipped by 128 and the high
+// bytes made 0x64 by one LOP3, (x & 0x00ff00ff) ^ c, c = 0x64806480 in a register (written in C++, the
+// two immediates would take two)
+__device__ __forceinline__ uint32_t int8_biased_pair(uint32_t x, uint32_t c) {
+  uint32_t y;
+  asm("lop3.b32 %0, %1, 0x00ff00ff, %2, 0x6a;" : "=r"(y) : "r"(x), "r"(c));
+  return y;
+}
+
+// 16 bytes at p, or zeros where not live (a 16-bit tail's token past the count)
+__device__ __forceinline__ uint4 load16(const void* p, bool live = true) {
   return live ? *reinterpret_cast<const uint4*>(p) : make_uint4(0u, 0u, 0u, 0u);
 }
 
-// Pairs j = 0 .. 15 of a key row as the MMA's operand (channels 16t + 2j, 64 + 16t + 2(j - 8))
+// Pairs j = 0 .. 15 of a key row as the MMA's operand (channels 16t + 2j, 64 + 16t + 2(j - 8)); a 16-bit
+// row not live is zeros (an 8-bit row is always read)
 template <typename X>
 __device__ __forceinline__ void key_row_pairs(uint32_t (&k)[16], const X* row, bool live, int t) {
   if constexpr (sizeof(X) == 1) {
-    const uint4 x0 = load16(row + 16 * t, live), x1 = load16(row + 64 + 16 * t, live);
+    const uint4 x0 = load16(row + 16 * t), x1 = load16(row + 64 + 16 * t);
     const uint32_t v[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
-    for (int w = 0; w < 8; ++w) int8_f16(v[w], k[2 * w], k[2 * w + 1]);
+    for (int w = 0; w < 8; ++w) int8_biased(v[w], k[2 * w], k[2 * w + 1]);
   } else {
-    const uint4 x[4] = {load16(row + 16 * t, live), load16(row + 16 * t + 8, live), load16(row + 64 + 16 * t, live),
-                        load16(row + 64 + 16 * t + 8, live)};
+    const uint4 x[4] = {load16(row + 16 * t, live), load16(row + 16 * t + 8, live),
+                        load16(row + 64 + 16 * t, live), load16(row + 64 + 16 * t + 8, live)};
 #pragma unroll
     for (int i = 0; i < 4; ++i) { k[4 * i] = x[i].x; k[4 * i + 1] = x[i].y; k[4 * i + 2] = x[i].z; k[4 * i + 3] = x[i].w; }
   }
@@ -865,27 +883,38 @@ __host__ __device__ constexpr int tail_warp_bytes() {
 
 // The running softmax of a tail program: O^T tile m rows g, g + 8 = channels 16g + 2m, 16g + 2m + 1,
 // columns heads 2t, 2t + 1; max (base 2) and sum of those heads
+// and of an 8-bit tail, -BIAS x the weights' sum of those columns (rows alike), what the value codes'
+// offset added to every row
 struct Running {
   float acc[8][4];
   float m0, m1, l0, l1;
+  float off[4];
 };
 
-// A tail program's tokens: keys and values (element offsets of token 0, token strides), an 8-bit tail's
-// scales, and how many
+// A tail program's tokens: token 0's keys and values and their token strides (elements), an 8-bit tail's
+// scales (token 0's, and their token strides), and how many
 struct TailTokens {
   const void* k; const void* v;
-  long long kat, vat, skt, svt;
+  int skt, svt;
   const float* kscale; const float* vscale;
+  int kst, vst;
   int count;
 };
 
 // Fold a tail program's tokens into r, 32 at a time in tiles (P, jh) of a page's token order: scores from
-// the key rows and the queries' pairs qb scaled by colf0 / colf1 (the heads' columns), or (PACKED) a
-// packed key page's scores sp [4][2][4], already scaled; values from the value rows.
+// the key rows and the queries' pairs qb, the dots started from qo0 / qo1 and scaled by colf0 / colf1
+// (the heads' columns), or (PACKED) a packed key page's scores sp [4][2][4], already scaled; values from
+// the value rows. A token past the count (its weight is zero) is zeros in a 16-bit tail, its loads
+// skipped, and in an 8-bit one the last token read again, which saves the predicates and the scales'
+// index arithmetic: either way a buffer's stale rows, which may not be finite, never reach the MMAs, and
+// no row is read past a buffer's end.
 template <typename X, typename OT, bool PACKED>
 __device__ __forceinline__ void attend(Running& r, const TailTokens& tk, const float* sp, const uint32_t* qb,
-                                       float colf0, float colf1, int g, int t) {
+                                       float qo0, float qo1, float colf0, float colf1, int g, int t) {
   constexpr bool I8 = sizeof(X) == 1;
+  const X* keys = static_cast<const X*>(tk.k);
+  const X* values = static_cast<const X*>(tk.v);
+  const int last = tk.count - 1;
   // ---- 32 tokens a step: tiles (P, jh) of a page's order (a packed slot: its key page's scores) ----
   for (int blk = 0; blk < tk.count; blk += GROUP) {
 #pragma unroll 1
@@ -899,10 +928,19 @@ __device__ __forceinline__ void attend(Running& r, const TailTokens& tk, const f
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int tok = base + 8 * t + 4 * jh + i;
-          const X* row = static_cast<const X*>(tk.v) + tk.vat + tok * tk.svt + 16 * g;
-          vr[jh][i][0] = load16(row, tok < tk.count);
-          if constexpr (sizeof(X) == 2) vr[jh][i][1] = load16(row + 8, tok < tk.count);
+          const X* row = values + (I8 ? min(tok, last) : tok) * tk.svt + 16 * g;
+          vr[jh][i][0] = load16(row, I8 || tok < tk.count);
+          if constexpr (!I8) vr[jh][i][1] = load16(row + 8, tok < tk.count);
         }
+      float vsc[2][2] = {{1.f, 1.f}, {1.f, 1.f}};  // an 8-bit tail's value scales of rows g, g + 8
+      if constexpr (I8) {
+#pragma unroll
+        for (int jh = 0; jh < 2; ++jh) {
+          const int tok = base + key_row(g, jh, 0);
+          vsc[jh][0] = tk.vscale[min(tok, last) * tk.vst];
+          vsc[jh][1] = tk.vscale[min(tok + 1, last) * tk.vst];
+        }
+      }
       float s[2][4];
       float ksc[2][2] = {{1.f, 1.f}, {1.f, 1.f}};  // an 8-bit tail's key scales of rows g, g + 8
 #pragma unroll
@@ -912,16 +950,17 @@ __device__ __forceinline__ void attend(Running& r, const TailTokens& tk, const f
 #pragma unroll
           for (int k = 0; k < 4; ++k) s[jh][k] = sp[((P * 2 + jh) * 4 + k) * 32 + (g * 4 + t)];
         } else {
+          const int r0 = I8 ? min(tok, last) : tok, r1 = I8 ? min(tok + 1, last) : tok + 1;
           uint32_t k0[16], k1[16];
-          key_row_pairs<X>(k0, static_cast<const X*>(tk.k) + tk.kat + tok * tk.skt, tok < tk.count, t);
-          key_row_pairs<X>(k1, static_cast<const X*>(tk.k) + tk.kat + (tok + 1) * tk.skt, tok + 1 < tk.count, t);
-          float d[4] = {0.f, 0.f, 0.f, 0.f};
+          key_row_pairs<X>(k0, keys + r0 * tk.skt, I8 || tok < tk.count, t);
+          key_row_pairs<X>(k1, keys + r1 * tk.skt, I8 || tok + 1 < tk.count, t);
+          float d[4] = {qo0, qo1, qo0, qo1};
 #pragma unroll
           for (int kk = 0; kk < 8; ++kk)
             Mma<OT>::run(d, k0[2 * kk], k1[2 * kk], k0[2 * kk + 1], k1[2 * kk + 1], qb[2 * kk], qb[2 * kk + 1]);
           if constexpr (I8) {
-            ksc[jh][0] = tok < tk.count ? tk.kscale[(tk.kat + tok * tk.skt) / D] : 0.f;
-            ksc[jh][1] = tok + 1 < tk.count ? tk.kscale[(tk.kat + (tok + 1) * tk.skt) / D] : 0.f;
+            ksc[jh][0] = tk.kscale[r0 * tk.kst];
+            ksc[jh][1] = tk.kscale[r1 * tk.kst];
           }
           s[jh][0] = d[0] * ksc[jh][0] * colf0; s[jh][1] = d[1] * ksc[jh][0] * colf1;
           s[jh][2] = d[2] * ksc[jh][1] * colf0; s[jh][3] = d[3] * ksc[jh][1] * colf1;
@@ -944,17 +983,13 @@ __device__ __forceinline__ void attend(Running& r, const TailTokens& tk, const f
         r.m0 = n0; r.m1 = n1; r.l0 *= al0; r.l1 *= al1;
 #pragma unroll
         for (int i = 0; i < 8; ++i) { r.acc[i][0] *= al0; r.acc[i][1] *= al1; r.acc[i][2] *= al0; r.acc[i][3] *= al1; }
+        if constexpr (I8) { r.off[0] *= al0; r.off[1] *= al1; r.off[2] *= al0; r.off[3] *= al1; }
       }
 
       // ---- values: the weights (x an 8-bit tail's value scales) as B, the value rows as A ----
 #pragma unroll
       for (int jh = 0; jh < 2; ++jh) {
-        const int tok = base + key_row(g, jh, 0);
-        float vs0 = 1.f, vs1 = 1.f;
-        if constexpr (I8) {
-          vs0 = tok < tk.count ? tk.vscale[(tk.vat + tok * tk.svt) / D] : 0.f;
-          vs1 = tok + 1 < tk.count ? tk.vscale[(tk.vat + (tok + 1) * tk.svt) / D] : 0.f;
-        }
+        const float vs0 = vsc[jh][0], vs1 = vsc[jh][1];
         const float p0 = exp2_ftz(s[jh][0] - n0), p1 = exp2_ftz(s[jh][1] - n1);
         const float p2 = exp2_ftz(s[jh][2] - n0), p3 = exp2_ftz(s[jh][3] - n1);
         r.l0 += p0 + p2; r.l1 += p1 + p3;
@@ -965,15 +1000,19 @@ __device__ __forceinline__ void attend(Running& r, const TailTokens& tk, const f
           const uint32_t x1[4] = {vr[jh][1][0].x, vr[jh][1][0].y, vr[jh][1][0].z, vr[jh][1][0].w};
           const uint32_t x2[4] = {vr[jh][2][0].x, vr[jh][2][0].y, vr[jh][2][0].z, vr[jh][2][0].w};
           const uint32_t x3[4] = {vr[jh][3][0].x, vr[jh][3][0].y, vr[jh][3][0].z, vr[jh][3][0].w};
+          const uint32_t hb = 0x64806480u;
 #pragma unroll
           for (int wd = 0; wd < 4; ++wd)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {  // channel tile 2 wd + e: channels 16g + 4wd + 2e (+1)
-              uint32_t a0, a1, a2, a3;
-              int8_f16(__byte_perm(x0[wd], x2[wd], e ? 0x7362 : 0x5140), a0, a1);
-              int8_f16(__byte_perm(x1[wd], x3[wd], e ? 0x7362 : 0x5140), a2, a3);
-              Mma<OT>::run(r.acc[2 * wd + e], a0, a1, a2, a3, b0, b1);
+              // a register: byte c of the word of tokens (i, i + 2) at bytes 0 and 2, one PRMT
+              const uint32_t c0 = e ? 0x0602 : 0x0400, c1 = e ? 0x0703 : 0x0501;
+              Mma<OT>::run(r.acc[2 * wd + e], int8_biased_pair(__byte_perm(x0[wd], x2[wd], c0), hb),
+                           int8_biased_pair(__byte_perm(x0[wd], x2[wd], c1), hb),
+                           int8_biased_pair(__byte_perm(x1[wd], x3[wd], c0), hb),
+                           int8_biased_pair(__byte_perm(x1[wd], x3[wd], c1), hb), b0, b1);
             }
+          Mma<OT>::run(r.off, NEG_BIAS2, NEG_BIAS2, NEG_BIAS2, NEG_BIAS2, b0, b1);
         } else {
           uint32_t x[4][8];
 #pragma unroll
@@ -1050,9 +1089,13 @@ __global__ void __launch_bounds__(128) tail_kernel(const TailArgs ta) {
   for (int i = 0; i < 8; ++i)
 #pragma unroll
     for (int k = 0; k < 4; ++k) run.acc[i][k] = 0.f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) run.off[k] = 0.f;
   run.m0 = run.m1 = __int_as_float(0xff800000);
   run.l0 = run.l1 = 0.f;
-  const TailTokens tokens{kbase, vbase, kat, vat, skt, svt, kscale, vscale, count};
+  // (an 8-bit tail's scales: a token's at its codes' element offset / D, all four tensors contiguous)
+  const TailTokens tokens{kbase + kat, vbase + vat, (int)skt, (int)svt, I8 ? kscale + kat / D : nullptr,
+                          I8 ? vscale + vat / D : nullptr, (int)(skt / D), (int)(svt / D), count};
 
   // ---- the queries: B operand pairs of head g in key_row_pairs' channel order (buffer keys), or fp16
   // in shared memory with the key page's half beside them (a packed slot: `page_key_scores`) ----
@@ -1077,7 +1120,7 @@ __global__ void __launch_bounds__(128) tail_kernel(const TailArgs ta) {
 #pragma unroll
     for (int k = 0; k < 32; ++k) ss[k * 32 + lane] = (&sp[0][0][0])[k];
     __syncwarp();
-    attend<X, OT, true>(run, tokens, ss, nullptr, 0.f, 0.f, g, t);
+    attend<X, OT, true>(run, tokens, ss, nullptr, 0.f, 0.f, 0.f, 0.f, g, t);
   } else {
     uint32_t qb[16];
     float colf0 = a.scaling, colf1 = a.scaling;  // what a column's (head 2t, 2t + 1) dots are scaled by
@@ -1107,7 +1150,20 @@ __global__ void __launch_bounds__(128) tail_kernel(const TailArgs ta) {
       colf0 = __shfl_sync(~0u, down, 8 * t) * a.scaling;
       colf1 = __shfl_sync(~0u, down, 8 * t + 4) * a.scaling;
     }
-    attend<X, OT, false>(run, tokens, nullptr, qb, colf0, colf1, g, t);
+    float qo0 = 0.f, qo1 = 0.f;  // an 8-bit tail's dots start from -BIAS x the sum of their head's query
+    if constexpr (I8) {
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&qb[j]));
+        sum += f.x + f.y;
+      }
+      sum += __shfl_xor_sync(~0u, sum, 1);
+      sum += __shfl_xor_sync(~0u, sum, 2);
+      qo0 = -BIAS * __shfl_sync(~0u, sum, 8 * t);
+      qo1 = -BIAS * __shfl_sync(~0u, sum, 8 * t + 4);
+    }
+    attend<X, OT, false>(run, tokens, nullptr, qb, qo0, qo1, colf0, colf1, g, t);
   }
 
   // ---- the partial: max (natural log), sum, output = weighted values / sum ----
@@ -1115,6 +1171,12 @@ __global__ void __launch_bounds__(128) tail_kernel(const TailArgs ta) {
   for (int o = 4; o < 32; o <<= 1) {
     run.l0 += __shfl_xor_sync(~0u, run.l0, o);
     run.l1 += __shfl_xor_sync(~0u, run.l1, o);
+  }
+  if constexpr (I8) {  // the value codes' offset
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      run.acc[j][0] += run.off[0]; run.acc[j][1] += run.off[1]; run.acc[j][2] += run.off[2]; run.acc[j][3] += run.off[3];
+    }
   }
   const int h0 = 2 * t, h1 = 2 * t + 1;
   const float r0 = 1.f / run.l0, r1 = 1.f / run.l1;
